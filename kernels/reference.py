@@ -1,0 +1,155 @@
+"""Torch reference ops: the CPU path of the engine and the oracle for every Triton kernel.
+
+Numerics follow Hugging Face's Qwen3-MoE so that logits match `transformers` on the same
+checkpoint: norms and softmaxes in fp32, results cast back to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32, scaled after the cast back (as HF does)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin tables [*positions.shape, head_dim] for the rotate-half RoPE convention."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] with cos/sin broadcastable to it (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_len: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention, prefill and decode alike.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D] with Hq a multiple of Hkv; q_positions [B, T] the
+    absolute position of each query (key j sits at position j). kv_len [B] masks keys at or past
+    each row's length (ragged batches). Softmax in fp32; output [B, Hq, T, D] in q's dtype.
+    """
+    batch, n_q, _, head_dim = q.shape
+    n_kv, seq = k.shape[1], k.shape[2]
+    group = n_q // n_kv
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
+    key_pos = torch.arange(seq, device=q.device)
+    allowed = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    if sliding_window is not None:
+        allowed &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
+    if kv_len is not None:
+        allowed &= key_pos[None, None, :] < kv_len[:, None, None]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Softmax -> top-k -> optional renormalise. Returns (topk_ids [T,k] int64, topk_weights [T,k] fp32).
+
+    The weights stay fp32: both MoE paths fold them into an fp32 accumulator.
+    """
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def moe_expert_centric(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Tokens grouped per expert, one GEMM pair per touched expert (the prefill path).
+
+    x [T, H]; w_gate_up [E, 2I, H] (gate rows first); w_down [E, H, I]; topk_ids/weights [T, k].
+    Each expert's output is computed in the activation dtype, as HF does, and summed in fp32.
+    """
+    n_tokens, k = topk_ids.shape
+    inter = w_down.shape[2]
+    out = torch.zeros(n_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]
+        start += count
+        tokens = slots // k
+        gate_up = F.linear(x[tokens], w_gate_up[expert])
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(hidden, w_down[expert])
+        weight = topk_weights.reshape(-1)[slots].to(y.dtype)
+        out.index_add_(0, tokens, (y * weight[:, None]).float())
+    return out.to(x.dtype)
+
+
+def moe_output_centric(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Each token gathers its top-k experts' rows; fp32 accumulation; routing weights folded in.
+
+    The CPU analogue of warp decode: no sort, no grouping, one fp32 sum per output. Cost grows
+    with T*k expert reads, so it is the decode path (few tokens), not the prefill path.
+    """
+    inter = w_down.shape[2]
+    x32 = x.float()
+    gate_up = torch.einsum("th,tkoh->tko", x32, w_gate_up[topk_ids].float())  # [T, k, 2I]
+    hidden = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    # Round the intermediate to the activation dtype, as the kernel stores it between its two launches.
+    hidden = hidden.to(x.dtype).float()
+    y = torch.einsum("tki,tkhi->tkh", hidden, w_down[topk_ids].float())
+    return (y * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+
+
+def moe_float64(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+    """The exact answer (float64 throughout), the yardstick for both MoE paths' error."""
+    inter = w_down.shape[2]
+    x64 = x.double()
+    gate_up = torch.einsum("th,tkoh->tko", x64, w_gate_up[topk_ids].double())
+    hidden = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    y = torch.einsum("tki,tkhi->tkh", hidden, w_down[topk_ids].double())
+    return (y * topk_weights.double()[..., None]).sum(dim=1)
+
+
+def dense_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP for the dense layers; w_gate_up [2I, H], w_down [H, I]."""
+    inter = w_down.shape[1]
+    gate_up = F.linear(x, w_gate_up)
+    return F.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], w_down)
