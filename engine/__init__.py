@@ -1,0 +1,1 @@
+"""The resident inference engine: model loading, forward pass, KV cache, generation."""
