@@ -1,0 +1,132 @@
+"""Single-sequence generation: prefill, then decode with a KV cache, streaming text deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model import Qwen3MoeModel
+from engine.sampling import sample
+from engine.stops import StopMatcher
+from engine.tokenizer import Tokenizer
+
+
+class PromptTooLong(ValueError):
+    """The prompt (plus room for one new token) exceeds the model's context."""
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (stop string), "eos", "length"
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0  # from the call to the first released text or the end
+    decode_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = max(self.completion_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class GenerationStream:
+    """Iterate for text deltas; `stats` and `text` are complete once iteration ends."""
+
+    def __init__(
+        self,
+        model: Qwen3MoeModel,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        stop_at_eos: bool = True,
+    ):
+        if not prompt_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        limit = model.config.max_position_embeddings
+        if len(prompt_ids) >= limit:
+            raise PromptTooLong(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = min(max_tokens, limit - len(prompt_ids))
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.stop = StopMatcher(stop)
+        self.eos_ids = set(tokenizer.eos_ids) if stop_at_eos else set()
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.text = ""
+
+    def __iter__(self):
+        started = time.perf_counter()
+        for delta in self._deltas():
+            if delta:
+                if not self.text:
+                    self.stats.first_token_s = time.perf_counter() - started
+                self.text += delta
+                yield delta
+        if not self.stats.first_token_s:
+            self.stats.first_token_s = time.perf_counter() - started
+
+    def _deltas(self):
+        model, stats = self.model, self.stats
+        if self.max_tokens <= 0:
+            stats.finish_reason = "length"
+            return
+        device = model.device
+        cache = model.new_cache(1, capacity=len(self.prompt_ids) + self.max_tokens)
+        decoder = self.tokenizer.stream_decoder()
+        tokens = torch.tensor([self.prompt_ids], device=device)
+        positions = torch.arange(len(self.prompt_ids), device=device)[None]
+        t0 = time.perf_counter()
+        logits = model.forward(tokens, positions, cache, last_only=True)[:, -1]
+        next_id = int(sample(logits, self.temperature, self.top_p, self.generator))
+        stats.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        position = len(self.prompt_ids)
+        while True:
+            if next_id in self.eos_ids:
+                stats.finish_reason = "eos"
+                break
+            stats.token_ids.append(next_id)
+            stats.completion_tokens += 1
+            yield self.stop.feed(decoder.push(next_id))
+            if self.stop.stopped:
+                stats.finish_reason = "stop"
+                break
+            if stats.completion_tokens >= self.max_tokens:
+                stats.finish_reason = "length"
+                break
+            step = torch.tensor([[next_id]], device=device)
+            logits = model.forward(step, torch.tensor([[position]], device=device), cache)[:, -1]
+            next_id = int(sample(logits, self.temperature, self.top_p, self.generator))
+            position += 1
+        stats.decode_s = time.perf_counter() - t0
+        if not self.stop.stopped:
+            yield self.stop.feed(decoder.flush())
+            if self.stop.stopped:
+                stats.finish_reason = "stop"
+            yield self.stop.flush()
+
+
+def generate(model, tokenizer, prompt_ids, **options) -> GenerationStream:
+    """Stream the completion of `prompt_ids` as text deltas (see GenerationStream for options)."""
+    return GenerationStream(model, tokenizer, prompt_ids, **options)
+
+
+def complete(model, tokenizer, prompt_ids, **options) -> tuple[str, GenerationStats]:
+    """The whole completion at once, with its stats."""
+    stream = GenerationStream(model, tokenizer, prompt_ids, **options)
+    for _ in stream:
+        pass
+    return stream.text, stream.stats

@@ -1,0 +1,24 @@
+"""Next-token choice: greedy, or temperature with nucleus (top-p) filtering, seeded."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy (ties go to the lowest id)."""
+    if temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest set whose mass reaches top_p; the first token always survives.
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

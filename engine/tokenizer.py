@@ -1,0 +1,94 @@
+"""The model's tokenizer (`tokenizer.json` through `tokenizers`) and UTF-8-safe streaming decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from engine.config import ModelFormatError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, backend: _HFTokenizer, eos_ids: tuple[int, ...] = ()):
+        self.backend = backend
+        self.eos_ids = eos_ids
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFormatError(f"no tokenizer.json in {model_dir}")
+        backend = _HFTokenizer.from_file(str(path))
+        tokenizer = cls(backend)
+        eos = list(extra_eos_ids)
+        eos += _eos_from_json(model_dir / "generation_config.json", "eos_token_id")
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            name = json.loads(cfg_path.read_text()).get("eos_token")
+            if isinstance(name, dict):  # older configs store an AddedToken dict
+                name = name.get("content")
+            if name and tokenizer.token_id(name) is not None:
+                eos.append(tokenizer.token_id(name))
+        tokenizer.eos_ids = tuple(dict.fromkeys(eos))  # de-duplicated, order kept
+        return tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Byte-level BPE tokens can end mid-character; such text decodes with a trailing U+FFFD,
+    so a delta is held back until the character completes. A short window of earlier tokens
+    is re-decoded with the new ones so that merges across token boundaries come out right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the re-decoded window
+        self.read_offset = 0  # tokens before this are already emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        emitted = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(emitted) and not full.endswith(REPLACEMENT_CHAR):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(emitted) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        decode = self.tokenizer.decode
+        emitted = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(emitted) :]
+
+
+def _eos_from_json(path: Path, key: str) -> list[int]:
+    if not path.is_file():
+        return []
+    value = json.loads(path.read_text()).get(key)
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]

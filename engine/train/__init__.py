@@ -1,0 +1,1 @@
+"""Reproducible training pipeline for the embedded default model (corpus, tokenizer, model, eval)."""

@@ -1,0 +1,96 @@
+"""Tiny random Qwen3-MoE checkpoints saved by `transformers`, with a small trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FIM_TOKENS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
+
+TRAINING_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "naïve café ünïcödé — “quotes” 你好 🙂\n",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=FIM_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    return tok
+
+
+def make_checkpoint(
+    path: Path,
+    *,
+    tie: bool = False,
+    norm_topk_prob: bool = True,
+    mlp_only_layers=(),
+    decoder_sparse_step: int = 1,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    num_experts: int = 8,
+    top_k: int = 2,
+    seed: int = 0,
+) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    config = Qwen3MoeConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        decoder_sparse_step=decoder_sparse_step,
+        tie_word_embeddings=tie,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=eos,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        # Default init leaves norms at 1 and the router at 0; randomise so every path is exercised.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif "mlp.gate.weight" in name:
+                param.normal_(0, 0.5)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_reference(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model

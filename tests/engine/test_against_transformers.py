@@ -1,0 +1,112 @@
+"""The engine's logits and greedy tokens against transformers on the same checkpoint."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import load_reference
+
+from engine.generate import complete
+from engine.loader import load_model
+from engine.tokenizer import Tokenizer
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "import os\nprint(os.path.join('a', 'b'))\nfor i in range(10):\n    print(",
+    "naïve café 你好 🙂 x = 1",
+]
+
+VARIANTS = {
+    "moe-untied-norm": dict(),
+    "moe-tied-nonorm": dict(tie=True, norm_topk_prob=False),
+    "dense-layer-mlp-only": dict(mlp_only_layers=(1,)),
+    "dense-by-sparse-step": dict(decoder_sparse_step=2, tie=True),
+}
+
+
+def _max_rel(ours, theirs):
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+@pytest.mark.parametrize("moe_path", ["expert_centric", "output_centric", "auto"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batch_logits_match_transformers(checkpoint_factory, variant, moe_path):
+    path = checkpoint_factory(**VARIANTS[variant])
+    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    model.moe_path = moe_path
+    reference = load_reference(path)
+    rows = [tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, rows))
+    # A ragged batch, right-padded: each row's real tokens must give the same logits as alone.
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    positions = torch.arange(width)[None].expand(len(rows), width)
+    logits = model.forward(tokens, positions, model.new_cache(len(rows)))
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            expected = reference(torch.tensor([row])).logits[0]
+        assert _max_rel(logits[i, : len(row)], expected) < 1e-4, (variant, moe_path, i)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_32_tokens_identical(checkpoint_factory, variant):
+    path = checkpoint_factory(**VARIANTS[variant])
+    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    reference = load_reference(path)
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt)
+        text, stats = complete(model, tokenizer, ids, max_tokens=32, stop_at_eos=False)
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None
+            )
+        expected = out[0, len(ids) :].tolist()
+        assert stats.token_ids == expected
+        assert text == tokenizer.decode(expected)
+
+
+def test_cli_prints_only_the_completion(checkpoint_factory):
+    path = checkpoint_factory()
+    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    ids = tokenizer.encode(PROMPTS[0])
+    expected, _ = complete(model, tokenizer, ids, max_tokens=32)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--prompt", PROMPTS[0],
+         "--max-tokens", "32", "--temperature", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected
+    assert expected  # a random model still writes something in 32 tokens
+
+
+def test_cli_fim_uses_the_models_fim_tokens(checkpoint_factory):
+    path = checkpoint_factory()
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--fim-prefix", "def f(",
+         "--fim-suffix", "):\n    pass\n", "--max-tokens", "8", "--stats"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "prompt" in result.stderr and "tok/s" in result.stderr
+
+
+def test_sharded_and_bf16_checkpoints_load(checkpoint_factory):
+    base = load_model(checkpoint_factory())
+    sharded_path = checkpoint_factory(max_shard_size="100KB")
+    assert (sharded_path / "model.safetensors.index.json").is_file()
+    sharded = load_model(sharded_path)
+    tokens = torch.tensor([[5, 9, 42, 7, 100]])
+    pos = torch.arange(5)[None]
+    assert torch.equal(base.forward(tokens, pos, base.new_cache(1)), sharded.forward(tokens, pos, sharded.new_cache(1)))
+
+    bf16_path = checkpoint_factory(dtype=torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(bf16_path, dtype=dtype)
+        reference = load_reference(bf16_path, dtype=dtype)
+        logits = model.forward(tokens, pos, model.new_cache(1))
+        with torch.no_grad():
+            expected = reference(tokens).logits.float()
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        assert _max_rel(logits[0], expected[0]) < tolerance

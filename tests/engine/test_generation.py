@@ -1,0 +1,99 @@
+"""Streaming, stopping and sampling."""
+
+import pytest
+import torch
+
+from engine.fim import FimUnsupported, build_fim_prompt
+from engine.generate import PromptTooLong, complete, generate
+from engine.loader import load_model
+from engine.sampling import sample
+from engine.stops import StopMatcher
+from engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    path = checkpoint_factory()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def test_stream_decoder_never_splits_a_character(tiny):
+    _, tokenizer = tiny
+    text = "naïve café — “quotes” 你好 🙂🙂 done\n"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text) // 4  # multi-byte characters span several byte-level tokens
+    decoder = tokenizer.stream_decoder()
+    deltas = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(deltas) == text
+    assert not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+def test_stop_matcher_cuts_across_deltas_and_holds_back_partial_stops():
+    m = StopMatcher(["\n\n", "END"])
+    out = [m.feed("abc\n"), m.feed("x E"), m.feed("N"), m.feed("D more")]
+    assert "".join(out) == "abc\nx "
+    assert out[0] == "abc"  # "\n" might start "\n\n": held back until resolved
+    assert m.stopped and m.feed("later") == ""
+    m2 = StopMatcher(["END"])
+    assert m2.feed("EN") == "" and m2.flush() == "EN"
+
+
+def test_stop_strings_and_max_tokens(tiny):
+    model, tokenizer = tiny
+    ids = tokenizer.encode("def add(a, b):\n")
+    full, stats = complete(model, tokenizer, ids, max_tokens=24, stop_at_eos=False)
+    assert stats.finish_reason == "length" and stats.completion_tokens == 24
+    assert len(full) >= 2
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut, stats = complete(model, tokenizer, ids, max_tokens=24, stop=[stop], stop_at_eos=False)
+    assert stats.finish_reason == "stop"
+    assert cut == full[: full.find(stop)]
+
+
+def test_streamed_deltas_concatenate_to_the_text(tiny):
+    model, tokenizer = tiny
+    stream = generate(model, tokenizer, tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3)
+    deltas = list(stream)
+    assert "".join(deltas) == stream.text
+    assert stream.stats.first_token_s > 0 and stream.stats.prefill_s > 0
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model, tokenizer = tiny
+    ids = tokenizer.encode("class Point:")
+    a, _ = complete(model, tokenizer, ids, max_tokens=16, temperature=1.0, top_p=0.9, seed=11)
+    b, _ = complete(model, tokenizer, ids, max_tokens=16, temperature=1.0, top_p=0.9, seed=11)
+    assert a == b
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    seen = {int(sample(logits, 1.0, 0.7, g)) for _ in range(300)}
+    assert seen == {0, 1}
+    assert int(sample(logits, 0.0)) == 0
+
+
+def test_fim_orders(tiny):
+    _, tokenizer = tiny
+    pre, suf, mid = (tokenizer.token_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    a, b = tokenizer.encode("def f("), tokenizer.encode("):\n")
+    assert build_fim_prompt(tokenizer, "def f(", "):\n", "psm") == [pre, *a, suf, *b, mid]
+    assert build_fim_prompt(tokenizer, "def f(", "):\n", "spm") == [suf, *b, pre, *a, mid]
+
+
+def test_fim_without_tokens_is_a_clear_error():
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models
+
+    backend = HF(models.BPE(vocab={"a": 0}, merges=[]))
+    with pytest.raises(FimUnsupported, match="no FIM tokens"):
+        build_fim_prompt(Tokenizer(backend), "a", "a")
+
+
+def test_prompt_too_long_and_empty(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(PromptTooLong):
+        generate(model, tokenizer, [5] * model.config.max_position_embeddings)
+    with pytest.raises(ValueError):
+        generate(model, tokenizer, [])
