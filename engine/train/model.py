@@ -1,0 +1,163 @@
+"""A compact pure-torch Qwen3-MoE for training, with parameter names equal to the Hugging Face
+on-disk layout (`model.layers.L.mlp.experts.N.gate_proj.weight`, ...), so `state_dict()` is the
+checkpoint. Semantics follow transformers' Qwen3MoeForCausalLM: per-head q/k RMSNorm before RoPE
+(rotate-half), GQA, softmax router -> top-k -> renormalised weights, tied lm_head.
+
+Only training needs this module; serving uses the engine, and tests check it against transformers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        h = c["hidden_size"]
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.head_dim, c["rms_norm_eps"])
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv  # GQA: kv head j serves q heads j*rep .. j*rep+rep-1
+        k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+        v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+        q, k, v = q.to(v.dtype), k.to(v.dtype), v
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    """Expert-centric MoE: sort token slots by expert, one matmul chain per expert."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.top_k, self.n_experts, self.norm_topk = c["num_experts_per_tok"], c["num_experts"], c["norm_topk_prob"]
+        self.gate = nn.Linear(c["hidden_size"], self.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(c["hidden_size"], c["moe_intermediate_size"])
+                                     for _ in range(self.n_experts))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        flat_e = top_i.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        token_of_slot = order // self.top_k
+        counts = torch.bincount(flat_e, minlength=self.n_experts).tolist()
+        xs = x[token_of_slot]
+        outs = [self.experts[e](chunk) for e, chunk in enumerate(torch.split(xs, counts)) if counts[e]]
+        ys = torch.cat(outs) * top_w.reshape(-1)[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
+        # Switch-style balance loss: experts' routed fraction times their mean router probability.
+        routed = torch.bincount(flat_e, minlength=self.n_experts).float() / flat_e.numel()
+        aux = self.n_experts * (routed * probs.mean(0)).sum()
+        return out.reshape(shape), aux
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = SparseMoe(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h, aux = self.mlp(self.post_attention_layernorm(x))
+        return x + h, aux
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+
+class Qwen3MoeLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        assert config["tie_word_embeddings"] and not config["mlp_only_layers"]
+        self.config = config
+        self.model = Backbone(config)
+
+    def init_weights(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        std = self.config["initializer_range"]
+        n_layers = self.config["num_hidden_layers"]
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue  # RMSNorm gains stay at 1
+            s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, ids: torch.Tensor):
+        """ids [B, T] -> (logits [B, T, V], mean router balance loss)."""
+        t = ids.shape[1]
+        cos, sin = rope_cos_sin(torch.arange(t, device=ids.device), self.config["head_dim"],
+                                self.config["rope_theta"])
+        x = self.model.embed_tokens(ids)
+        aux = 0.0
+        for layer in self.model.layers:
+            x, a = layer(x, cos, sin)
+            aux = aux + a
+        x = self.model.norm(x)
+        logits = F.linear(x, self.model.embed_tokens.weight)
+        return logits, aux / len(self.model.layers)
