@@ -1,0 +1,83 @@
+"""The engine's entry points for a MoE layer: pick the path, run it.
+
+CUDA tensors go to Triton: warp decode (output-centric) or the expert-centric fused MoE,
+whichever the crossover table in `kernels/configs/crossover.json` measured faster at this
+(tokens, k, E); CPU tensors go to the torch references. The table is written by
+`python -m kernels.bench_moe --tune` on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference, tuned
+
+WARP_DECODE = "warp_decode"
+EXPERT_CENTRIC = "expert_centric"
+
+# Without a measurement for this (E, k): warp decode while the routed slots (tokens * k) are at
+# most this many times E. Its weight traffic grows with the slots, the expert-centric path's
+# with the distinct experts touched.
+DEFAULT_SLOTS_PER_EXPERT = 0.5
+
+
+def _table() -> dict:
+    return tuned.load("crossover.json") or {}
+
+
+def choose_path(tokens: int, top_k: int, experts: int) -> str:
+    """WARP_DECODE or EXPERT_CENTRIC for a CUDA MoE layer of this size."""
+    entry = _table().get(f"E{experts}_k{top_k}")
+    if entry is not None and entry.get("winners"):
+        return tuned.nearest(entry["winners"], tokens)
+    ratio = DEFAULT_SLOTS_PER_EXPERT
+    measured = [e for e in _table().values() if "slots_per_expert" in e]
+    if measured:  # the nearest measured E decides the ratio
+        ratio = min(measured, key=lambda e: abs(e["experts"] - experts))["slots_per_expert"]
+    return WARP_DECODE if tokens * top_k <= ratio * experts else EXPERT_CENTRIC
+
+
+def moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """MoE layer output y [T, H] in x's dtype.
+
+    x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I]; topk_ids [T, k] int;
+    topk_weights [T, k] fp32 (as returned by `route`).
+    """
+    tokens, top_k = topk_ids.shape
+    experts = w_gate_up.shape[0]
+    if x.is_cuda:
+        path = choose_path(tokens, top_k, experts)
+        return run_path(path, x, w_gate_up, w_down, topk_ids, topk_weights)
+    # CPU: the output-centric reference gathers T*k experts' weights, fine for a few tokens;
+    # past one slot per expert, grouping by expert reads less.
+    if tokens * top_k <= experts:
+        return reference.moe_output_centric(x, w_gate_up, w_down, topk_ids, topk_weights)
+    return reference.moe_expert_centric(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def run_path(path: str, x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+    """Run one Triton path by name (the kernels import Triton, so they load on first use)."""
+    if path == WARP_DECODE:
+        from kernels.warp_decode import warp_decode_moe
+
+        return warp_decode_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    if path == EXPERT_CENTRIC:
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    raise ValueError(f"unknown MoE path {path!r}")
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Router: (topk_ids int64 [T, k], topk_weights fp32 [T, k]), softmax -> top-k -> renorm."""
+    if x.is_cuda:
+        from kernels.router import route as triton_route
+
+        return triton_route(x, router_weight, top_k, norm_topk_prob)
+    return reference.route(x, router_weight, top_k, norm_topk_prob)

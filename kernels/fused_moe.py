@@ -1,0 +1,246 @@
+"""Expert-centric fused MoE: the prefill path and the baseline warp decode has to beat.
+
+Four launches:
+1. `align_by_expert` groups the (token, slot) pairs by expert, padded to BLOCK_M rows.
+2. `_gate_up_kernel`: grouped GEMM over row blocks, each block one expert; gate and up tiles
+   of the same neurons are computed side by side so SiLU(gate) * up is applied in the epilogue
+   (no separate activation launch, no [*, 2I] intermediate).
+3. `_down_kernel`: grouped GEMM for the down projection, routing weight applied to the fp32
+   accumulator, each slot's row written (activation dtype) to a [T*k, H] buffer.
+4. The combine: a sum over the k slots of each token.
+
+Each expert's output is rounded to the activation dtype before the combine (as vLLM's
+fused_moe and Hugging Face do); warp decode keeps fp32 across experts instead.
+Block sizes per batch size come from `kernels/configs/fused_moe_*.json` (tuned on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import tuned
+from kernels.moe_align import align_by_expert
+from kernels.triton_env import interpreting
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    # The interpreter cannot multiply bf16; the GPU should (fp32 accumulate either way).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    rows_used_ptr,
+    numel,
+    hidden,
+    inter,
+    top_k,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = slots < numel
+    tokens = (slots // top_k).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < hidden
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        acc_gate = _dot(a, g, acc_gate, UPCAST)
+        acc_up = _dot(a, u, acc_up, UPCAST)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * inter + offs_n[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    rows_used_ptr,
+    numel,
+    hidden,
+    inter,
+    stride_we,
+    stride_wh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = slots < numel
+    slots64 = slots.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + slots64[:, None] * inter + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < inter
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        acc = _dot(a, b, acc, UPCAST)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    route_w = tl.load(weights_ptr + slots64, mask=mask_m, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    out_ptrs = out_ptr + slots64[:, None] * hidden + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# Per-GEMM tiles share BLOCK_M (the alignment's row block).
+DEFAULT_CONFIG = {
+    "BLOCK_M": 16,
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+}
+
+
+def default_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
+    table = tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}
+    cfg = tuned.nearest(table.get("configs"), tokens)
+    if cfg is not None:
+        return cfg
+    if tokens * top_k >= 8 * experts:  # prefill-sized: enough rows per expert for bigger tiles
+        return {
+            "BLOCK_M": 64,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        }
+    return DEFAULT_CONFIG
+
+
+def _stages(cfg: dict) -> dict:
+    # The interpreter ignores pipelining; keep launches cheap there.
+    return {"num_warps": cfg["num_warps"], "num_stages": 1 if interpreting() else cfg["num_stages"]}
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """MoE layer, expert-centric; same contract as `kernels.warp_decode_moe`.
+
+    x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I]; topk_ids [T, k] int;
+    topk_weights [T, k] fp32. Returns y [T, H] in x's dtype. `config` overrides the tuned tiles.
+    """
+    n_tokens, hidden = x.shape
+    experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
+    assert topk_ids.shape == topk_weights.shape == (n_tokens, top_k)
+    if n_tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    route_w = topk_weights.to(torch.float32).contiguous()
+
+    cfg = config or default_config(n_tokens, hidden, inter, experts, top_k)
+    grouping = align_by_expert(topk_ids.contiguous(), experts, cfg["BLOCK_M"])
+    act = gate_up_stage(x, w_gate_up, grouping, top_k, cfg["BLOCK_M"], cfg["gate_up"])
+    per_slot = down_stage(act, w_down, route_w, grouping, cfg["BLOCK_M"], cfg["down"])
+    if top_k == 1:
+        return per_slot
+    # The combine; torch sums bf16 in fp32 and rounds once.
+    return per_slot.view(n_tokens, top_k, hidden).sum(dim=1)
+
+
+def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -> torch.Tensor:
+    """Grouped GEMM 1 + SiLU*up: act [T*k, I] in x's dtype, one row per routed slot."""
+    sorted_slots, block_expert, rows_used = grouping
+    n_tokens, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    numel = n_tokens * top_k
+    act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))](
+        x, w_gate_up, act, sorted_slots, block_expert, rows_used,
+        numel, hidden, inter, top_k,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=hidden % cfg["BLOCK_K"] == 0, UPCAST=interpreting(),
+        **_stages(cfg),
+    )
+    return act
+
+
+def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch.Tensor:
+    """Grouped GEMM 2, routing weight applied: per_slot [T*k, H] in act's dtype."""
+    sorted_slots, block_expert, rows_used = grouping
+    numel, inter = act.shape
+    hidden = w_down.shape[1]
+    per_slot = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
+    _down_kernel[(block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        act, w_down, per_slot, route_w, sorted_slots, block_expert, rows_used,
+        numel, hidden, inter,
+        w_down.stride(0), w_down.stride(1),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=inter % cfg["BLOCK_K"] == 0, UPCAST=interpreting(),
+        **_stages(cfg),
+    )
+    return per_slot

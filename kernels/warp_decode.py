@@ -1,0 +1,243 @@
+"""Warp decode: MoE decoding organised around outputs instead of experts.
+
+Two launches and nothing else — no sort, pad, scatter, combine or activation quantisation:
+
+1. `_gate_up_silu_kernel`, one program per (token, routed slot, block of intermediate neurons):
+   streams that expert's gate and up rows over H with fp32 accumulation and writes
+   `silu(gate) * up` (activation dtype) into a [T*k, I] intermediate.
+2. `_down_kernel`, one program per (token, block of hidden outputs): streams the down rows of
+   all the token's top-k experts at once (the slot is a tile dimension, so k experts' loads are
+   in flight together), folds each routing weight into the fp32 accumulator and writes once.
+
+Work grows with T*k expert-row reads, so this is the decode path; `kernels.dispatch` switches
+to the expert-centric path (`kernels.fused_moe`) where that is measured to be faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import tuned
+from kernels.triton_env import next_pow2
+
+# fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
+# past this the tile spills registers.
+DOWN_TILE_BUDGET = 16384
+
+
+@triton.jit(do_not_specialize=["n_slots"])
+def _gate_up_silu_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    n_slots,
+    hidden,
+    inter,
+    top_k,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_I: tl.constexpr,
+    EVEN_H: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    token = slot // top_k
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_i = offs_i < inter
+    gate_ptrs = w_ptr + expert * stride_we + offs_i[:, None] * stride_wn + offs_h[None, :]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + token * stride_xt + offs_h
+
+    # 2-D accumulators: one cross-lane reduction at the end instead of one per step.
+    acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        if EVEN_H:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            if EVEN_I:
+                gate = tl.load(gate_ptrs).to(tl.float32)
+                up = tl.load(up_ptrs).to(tl.float32)
+            else:
+                gate = tl.load(gate_ptrs, mask=mask_i[:, None], other=0.0).to(tl.float32)
+                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0).to(tl.float32)
+        else:
+            mask_h = (h0 + offs_h) < hidden
+            mask_w = mask_i[:, None] & mask_h[None, :]
+            xv = tl.load(x_ptrs, mask=mask_h, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=mask_w, other=0.0).to(tl.float32)
+            up = tl.load(up_ptrs, mask=mask_w, other=0.0).to(tl.float32)
+        acc_gate += gate * xv[None, :]
+        acc_up += up * xv[None, :]
+        x_ptrs += BLOCK_H
+        gate_ptrs += BLOCK_H
+        up_ptrs += BLOCK_H
+
+    gate_sum = tl.sum(acc_gate, axis=1)
+    up_sum = tl.sum(acc_up, axis=1)
+    act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
+    tl.store(out_ptr + slot * inter + offs_i, act.to(out_ptr.dtype.element_ty), mask=mask_i)
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    y_ptr,
+    n_tokens,
+    hidden,
+    inter,
+    top_k,
+    stride_we,
+    stride_wh,
+    stride_yt,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    EVEN_I: tl.constexpr,
+):
+    token = tl.program_id(0)
+    pid_h = tl.program_id(1)
+
+    offs_k = tl.arange(0, K_PAD)
+    mask_k = offs_k < top_k
+    slots = token * top_k + offs_k
+    experts = tl.load(ids_ptr + slots, mask=mask_k, other=0).to(tl.int64)
+    route_w = tl.load(weights_ptr + slots, mask=mask_k, other=0.0).to(tl.float32)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_I)
+    mask_h = offs_h < hidden
+    w_ptrs = (
+        w_ptr
+        + experts[:, None, None] * stride_we
+        + offs_h[None, :, None] * stride_wh
+        + offs_i[None, None, :]
+    )
+    a_ptrs = act_ptr + slots[:, None] * inter + offs_i[None, :]
+
+    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I], dtype=tl.float32)
+    for i0 in range(0, inter, BLOCK_I):
+        if EVEN_K and EVEN_H and EVEN_I:
+            a = tl.load(a_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            mask_a = mask_k[:, None] & ((i0 + offs_i) < inter)[None, :]
+            mask_w = mask_a[:, None, :] & mask_h[None, :, None]
+            a = tl.load(a_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=mask_w, other=0.0).to(tl.float32)
+        # The routing weight is folded in fp32, before anything is rounded.
+        a = a * route_w[:, None]
+        acc += w * a[:, None, :]
+        a_ptrs += BLOCK_I
+        w_ptrs += BLOCK_I
+
+    y = tl.sum(tl.sum(acc, axis=2), axis=0)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
+DEFAULT_DOWN = {"BLOCK_H": 8, "BLOCK_I": 128, "num_warps": 4}
+
+
+def default_configs(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
+    """Tuned configs for this shape and batch if the repo has them, else the defaults."""
+    table = tuned.load(tuned.shape_name("warp_decode", hidden, inter, experts, top_k)) or {}
+    return {
+        "gate_up": tuned.nearest(table.get("gate_up"), tokens) or DEFAULT_GATE_UP,
+        "down": tuned.nearest(table.get("down"), tokens) or DEFAULT_DOWN,
+    }
+
+
+def _fit(block: int, size: int) -> int:
+    """Clamp a block to the (power-of-two-rounded) size so tiny dims don't waste lanes."""
+    return max(1, min(block, next_pow2(size)))
+
+
+def warp_decode_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """MoE layer by warp decode (output-centric); returns y [T, H] in x's dtype.
+
+    x [T, H] bf16 (or fp16/fp32); w_gate_up [E, 2I, H] with the I gate rows first, then the I up
+    rows; w_down [E, H, I]; topk_ids [T, k] int (int32 or int64); topk_weights [T, k] fp32.
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
+    with fp32 accumulation throughout; the only rounding between input and output is the
+    intermediate silu(gate)*up stored in x's dtype between the two launches.
+    `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning).
+    """
+    n_tokens, hidden = x.shape
+    experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
+    assert topk_ids.shape == topk_weights.shape == (n_tokens, top_k)
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    ids = topk_ids.contiguous()
+    route_w = topk_weights.to(torch.float32).contiguous()
+
+    cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
+    if n_tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
+    act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"])
+    return down(act, w_down, ids, route_w, cfg["down"])
+
+
+def gate_up_silu(x, w_gate_up, ids, cfg: dict) -> torch.Tensor:
+    """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype."""
+    n_tokens, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    top_k = ids.shape[1]
+    act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    block_i = _fit(cfg["BLOCK_I"], inter)
+    block_h = _fit(cfg["BLOCK_H"], hidden)
+    _gate_up_silu_kernel[(n_tokens * top_k, triton.cdiv(inter, block_i))](
+        x, w_gate_up, ids, act,
+        n_tokens * top_k, hidden, inter, top_k,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        BLOCK_I=block_i, BLOCK_H=block_h,
+        EVEN_I=inter % block_i == 0, EVEN_H=hidden % block_h == 0,
+        num_warps=cfg["num_warps"],
+    )
+    return act
+
+
+def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
+    """Kernel 2: y [T, H] = sum over the token's slots of route_w * (w_down[e] @ act[slot])."""
+    n_tokens, top_k = ids.shape
+    experts, hidden, inter = w_down.shape
+    y = torch.empty(n_tokens, hidden, dtype=act.dtype, device=act.device)
+    k_pad = next_pow2(top_k)
+    block_h = _fit(cfg["BLOCK_H"], hidden)
+    block_i = _fit(cfg["BLOCK_I"], inter)
+    while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
+        block_i //= 2  # many experts per token: keep the 3-D tile in registers
+    _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
+        act, w_down, ids, route_w, y,
+        n_tokens, hidden, inter, top_k,
+        w_down.stride(0), w_down.stride(1), y.stride(0),
+        K_PAD=k_pad, BLOCK_H=block_h, BLOCK_I=block_i,
+        EVEN_K=k_pad == top_k, EVEN_H=hidden % block_h == 0, EVEN_I=inter % block_i == 0,
+        num_warps=cfg["num_warps"],
+    )
+    return y

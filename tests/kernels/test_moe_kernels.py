@@ -1,0 +1,165 @@
+"""Triton MoE kernels (warp decode, expert-centric fused MoE, router, dispatcher) against the
+torch references, through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+
+The interpreter truncates fp32 -> bf16 instead of rounding, so outputs are compared with a
+bf16-sized tolerance, never bit for bit. Every check draws fresh random inputs and poisons the
+outputs with NaN first, so an element the kernel fails to write cannot pass.
+"""
+
+import pytest
+import torch
+
+from kernels import dispatch, reference
+from kernels.fused_moe import fused_moe
+from kernels.moe_align import align_by_expert
+from kernels.router import route as triton_route
+from kernels.warp_decode import warp_decode_moe
+
+# Small tiles so the K loops run several steps and the masks see ragged tails.
+WARP_SMALL = {
+    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4},
+    "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4},
+}
+FUSED_SMALL = {
+    "BLOCK_M": 16,
+    "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+}
+
+# (tokens, hidden, inter, experts, top_k): the issue's small shape, then sizes that are not
+# multiples of any block (masks), a non-power-of-two k, and one expert per token.
+SHAPES = [
+    (1, 64, 48, 8, 2),
+    (3, 64, 48, 8, 2),
+    (8, 64, 48, 8, 2),
+    (5, 70, 40, 6, 3),
+    (2, 40, 24, 4, 1),
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch):
+    """Every torch.empty the kernels allocate starts as NaN (ints: a large sentinel)."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        t.fill_(float("nan") if t.is_floating_point() else 2**30)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def make_layer(tokens, hidden, inter, experts, top_k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).bfloat16()
+    w_down = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).bfloat16()
+    router = torch.randn(experts, hidden, generator=gen).bfloat16()
+    ids, weights = reference.route(x, router, top_k, norm_topk_prob=True)
+    return x, w_gate_up, w_down, ids, weights
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_moe(y, x, w_gate_up, w_down, ids, weights, oracle):
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all(), "unwritten (NaN) or broken outputs"
+    ref = oracle(x, w_gate_up, w_down, ids, weights)
+    # bf16 keeps 8 bits; the interpreter's truncating casts can double that error.
+    assert rel_err(y, ref) < 2e-2
+    torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_warp_decode_matches_reference(shape):
+    layer = make_layer(*shape, seed=hash(shape) % 1000)
+    y = warp_decode_moe(*layer, config=WARP_SMALL)
+    check_moe(y, *layer, reference.moe_output_centric)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_moe_matches_reference(shape):
+    layer = make_layer(*shape, seed=hash(shape) % 1000 + 1)
+    y = fused_moe(*layer, config=FUSED_SMALL)
+    check_moe(y, *layer, reference.moe_expert_centric)
+
+
+def test_default_configs_run_at_small_shapes():
+    layer = make_layer(3, 64, 48, 8, 2, seed=7)
+    check_moe(warp_decode_moe(*layer), *layer, reference.moe_output_centric)
+    check_moe(fused_moe(*layer), *layer, reference.moe_expert_centric)
+
+
+def test_int32_ids_accepted():
+    x, w_gate_up, w_down, ids, weights = make_layer(3, 64, 48, 8, 2, seed=11)
+    layer = (x, w_gate_up, w_down, ids.to(torch.int32), weights)
+    check_moe(warp_decode_moe(*layer, config=WARP_SMALL), *layer, reference.moe_output_centric)
+    check_moe(fused_moe(*layer, config=FUSED_SMALL), *layer, reference.moe_expert_centric)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (37, 5, 3, 16), (9, 40, 4, 32)])
+def test_align_groups_slots_by_expert(tokens, experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    numel = ids.numel()
+    sorted_slots, block_expert, rows_used = align_by_expert(ids, experts, block_m)
+    used = int(rows_used)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    rows = sorted_slots[:used].long()
+    real = rows[rows < numel]
+    assert sorted(real.tolist()) == list(range(numel)), "every slot exactly once"
+    flat = ids.reshape(-1)
+    for block in range(used // block_m):
+        expert = int(block_expert[block])
+        block_rows = rows[block * block_m : (block + 1) * block_m]
+        mine = block_rows[block_rows < numel]
+        assert (flat[mine] == expert).all()
+        assert mine.tolist() == sorted(mine.tolist()), "stable within an expert"
+    assert (block_expert[used // block_m :] == -1).all()
+    assert (sorted_slots[used:] == numel).all()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renorm", [(1, 8, 2, True), (5, 60, 6, True), (4, 10, 3, False)])
+def test_router_matches_reference(tokens, experts, top_k, renorm):
+    gen = torch.Generator().manual_seed(experts)
+    x = torch.randn(tokens, 32, generator=gen).bfloat16()
+    router = torch.randn(experts, 32, generator=gen).bfloat16()
+    ids, weights = triton_route(x, router, top_k, renorm)
+    ref_ids, ref_weights = reference.route(x, router, top_k, renorm)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_dispatch_cpu_uses_references():
+    for tokens in (1, 8):
+        layer = make_layer(tokens, 64, 48, 8, 2, seed=tokens + 20)
+        y = dispatch.moe(*layer)
+        check_moe(y, *layer, reference.moe_float64)
+    x, _, _, _, _ = make_layer(2, 64, 48, 8, 2, seed=3)
+    router = torch.randn(8, 64).bfloat16()
+    ids, weights = dispatch.route(x, router, 2, True)
+    ref_ids, ref_weights = reference.route(x, router, 2, True)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+
+
+def test_dispatch_triton_paths_match_reference():
+    layer = make_layer(3, 64, 48, 8, 2, seed=5)
+    for path in (dispatch.WARP_DECODE, dispatch.EXPERT_CENTRIC):
+        check_moe(dispatch.run_path(path, *layer), *layer, reference.moe_float64)
+
+
+def test_choose_path_follows_crossover_table(monkeypatch):
+    table = {"E128_k8": {"experts": 128, "slots_per_expert": 0.5,
+                         "winners": {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric"}}}
+    monkeypatch.setattr(dispatch, "_table", lambda: table)
+    assert dispatch.choose_path(1, 8, 128) == dispatch.WARP_DECODE
+    assert dispatch.choose_path(9, 8, 128) == dispatch.WARP_DECODE
+    assert dispatch.choose_path(64, 8, 128) == dispatch.EXPERT_CENTRIC
+    # Unmeasured (E, k): the slots-per-expert rule of the nearest measured E.
+    assert dispatch.choose_path(4, 8, 256) == dispatch.WARP_DECODE
+    assert dispatch.choose_path(64, 8, 256) == dispatch.EXPERT_CENTRIC
