@@ -175,7 +175,7 @@ def trim_prefix(
     if first == 0:
         return 0, 0
     snapped = _node_start_line_at_or_after(doc, tree, first, cur)
-    if snapped is not None and (snapped - first) * 4 <= (cur - first):
+    if snapped is not None:
         first = snapped
     else:
         first = min(cur, -(-first // PREFIX_CUT_STEP) * PREFIX_CUT_STEP)
@@ -211,7 +211,7 @@ def trim_suffix(
             hi = mid - 1
     last = lo
     snapped = _node_end_line_at_or_before(doc, tree, cur, last)
-    if snapped is not None and (last - snapped) * 4 <= (last - cur):
+    if snapped is not None:
         last = snapped
     return end_of(last), last
 
@@ -228,42 +228,47 @@ def _cut_line_tail(text: str, start: int, offset: int, budget: int, count: Token
     return space + 1 if space != -1 else lo
 
 
-def _boundary_nodes(tree: Any, line: int, depth: int = 3) -> list[Any]:
-    """Siblings around `line`: top-level nodes, or children of the node spanning `line`."""
+def _levels(tree: Any, line: int, depth: int = 3):
+    """Sibling lists around `line`, outermost first: top-level nodes, then the children
+    (or body's children) of the node that spans `line`, and so on."""
     node = tree.root_node
     for _ in range(depth):
         kids = node.named_children
+        yield kids
         spanning = [k for k in kids if k.start_point[0] < line < k.end_point[0]]
         if not spanning:
-            return kids
+            return
         node = spanning[0]
         body = node.child_by_field_name("body")
         if body is not None and body.start_point[0] <= line <= body.end_point[0]:
             node = body
-    return node.named_children
 
 
 def _node_start_line_at_or_after(doc: Document, tree: Any, first: int, cur: int) -> int | None:
+    """First line in [first, cur] where a node starts, at the outermost level that has one
+    close enough to `first` (losing at most a quarter of the kept lines)."""
     if tree is None:
         return None
-    for node in _boundary_nodes(tree, first):
-        row = node.start_point[0]
-        # rows count "\n" only; a line start is a clean cut only if the node starts the line
-        if first <= row <= cur and row < doc.line_count:
-            if not doc.line_text(row)[: node.start_point[1]].strip():
-                return row
+    for siblings in _levels(tree, first):
+        for node in siblings:
+            row = node.start_point[0]
+            # rows count "\n" only; a clean cut needs the node to start its line
+            if first <= row <= cur and row < doc.line_count:
+                if (row - first) * 4 <= cur - first and not doc.line_text(row)[: node.start_point[1]].strip():
+                    return row
+                break
     return None
 
 
 def _node_end_line_at_or_before(doc: Document, tree: Any, cur: int, last: int) -> int | None:
+    """Last line in (cur, last] where a node ends, outermost level first (same loss rule)."""
     if tree is None:
         return None
-    best = None
-    for node in _boundary_nodes(tree, last):
-        row = node.end_point[0]
-        if cur < row <= last and node.start_point[0] > cur:
-            best = row if best is None else max(best, row)
-    return best
+    for siblings in _levels(tree, last):
+        ends = [n.end_point[0] for n in siblings if cur < n.end_point[0] <= last and n.start_point[0] > cur]
+        if ends and (last - max(ends)) * 4 <= last - cur:
+            return max(ends)
+    return None
 
 
 # ---- extra chunks ---------------------------------------------------------------------
