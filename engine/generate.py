@@ -9,7 +9,7 @@ import torch
 
 from engine.model import Qwen3MoeModel
 from engine.sampling import sample
-from engine.stops import StopMatcher
+from engine.output import OutputAssembler
 from engine.tokenizer import Tokenizer
 
 
@@ -62,8 +62,7 @@ class GenerationStream:
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(seed)
-        self.stop = StopMatcher(stop)
-        self.eos_ids = set(tokenizer.eos_ids) if stop_at_eos else set()
+        self.output = OutputAssembler(tokenizer, self.max_tokens, stop, stop_at_eos)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.text = ""
 
@@ -85,7 +84,6 @@ class GenerationStream:
             return
         device = model.device
         cache = model.new_cache(1, capacity=len(self.prompt_ids) + self.max_tokens)
-        decoder = self.tokenizer.stream_decoder()
         tokens = torch.tensor([self.prompt_ids], device=device)
         positions = torch.arange(len(self.prompt_ids), device=device)[None]
         t0 = time.perf_counter()
@@ -94,29 +92,19 @@ class GenerationStream:
         stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         position = len(self.prompt_ids)
+        out = self.output
         while True:
-            if next_id in self.eos_ids:
-                stats.finish_reason = "eos"
-                break
-            stats.token_ids.append(next_id)
-            stats.completion_tokens += 1
-            yield self.stop.feed(decoder.push(next_id))
-            if self.stop.stopped:
-                stats.finish_reason = "stop"
-                break
-            if stats.completion_tokens >= self.max_tokens:
-                stats.finish_reason = "length"
+            yield out.push(next_id)
+            if out.finished:
                 break
             step = torch.tensor([[next_id]], device=device)
             logits = model.forward(step, torch.tensor([[position]], device=device), cache)[:, -1]
             next_id = int(sample(logits, self.temperature, self.top_p, self.generator))
             position += 1
         stats.decode_s = time.perf_counter() - t0
-        if not self.stop.stopped:
-            yield self.stop.feed(decoder.flush())
-            if self.stop.stopped:
-                stats.finish_reason = "stop"
-            yield self.stop.flush()
+        stats.finish_reason = out.finish_reason
+        stats.token_ids = out.token_ids
+        stats.completion_tokens = len(out.token_ids)
 
 
 def generate(model, tokenizer, prompt_ids, **options) -> GenerationStream:

@@ -1,0 +1,106 @@
+"""KV storage in fixed-size blocks, and the view that lets the model read and write it.
+
+Storage per layer is one flat array of token slots, [num_blocks * block_size, Hkv, D]: slot
+`block * block_size + offset`. Compacted: a sequence holds whole blocks and only its last one
+is partly filled, so no slot is padding. Optional fp8 (e4m3) storage keeps one fp32 scale per
+(slot, head) and is dequantised when attention reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class KVPool:
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, fp8=False):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype  # the dtype attention computes in
+        self.fp8 = fp8
+        slots = num_blocks * block_size
+        store = FP8 if fp8 else dtype
+        # Zero-initialised: slots past a row's length are masked in attention but still meet V,
+        # and 0 * NaN garbage would be NaN.
+        self.keys = [torch.zeros(slots, num_kv_heads, head_dim, dtype=store, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(slots, num_kv_heads, head_dim, dtype=store, device=device) for _ in range(num_layers)]
+        if fp8:
+            self.key_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
+            self.value_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes over all layers, K and V, scales included."""
+        per_layer = sum(t[0].numel() * t.element_size() for t in (self.keys[0], self.values[0]))
+        if self.fp8:
+            per_layer += 2 * self.key_scales[0][0].numel() * 4
+        return per_layer * len(self.keys)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] into flat slots [N]."""
+        if self.fp8:
+            self._write_fp8(self.keys[layer], self.key_scales[layer], slots, k)
+            self._write_fp8(self.values[layer], self.value_scales[layer], slots, v)
+        else:
+            self.keys[layer][slots] = k.to(self.dtype)
+            self.values[layer][slots] = v.to(self.dtype)
+
+    @staticmethod
+    def _write_fp8(store, scales, slots, x):
+        scale = x.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+        store[slots] = (x.float() / scale[..., None]).to(FP8)
+        scales[slots] = scale
+
+    def read(self, layer: int, slots: torch.Tensor):
+        """Keys and values at slots [B, S] -> [B, Hkv, S, D] each, in the compute dtype."""
+        k, v = self.keys[layer][slots], self.values[layer][slots]
+        if self.fp8:
+            k = (k.float() * self.key_scales[layer][slots][..., None]).to(self.dtype)
+            v = (v.float() * self.value_scales[layer][slots][..., None]).to(self.dtype)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of a shared partial block."""
+        bs = self.block_size
+        s, d = slice(src * bs, (src + 1) * bs), slice(dst * bs, (dst + 1) * bs)
+        for layer in range(len(self.keys)):
+            self.keys[layer][d] = self.keys[layer][s]
+            self.values[layer][d] = self.values[layer][s]
+            if self.fp8:
+                self.key_scales[layer][d] = self.key_scales[layer][s]
+                self.value_scales[layer][d] = self.value_scales[layer][s]
+
+
+class PagedBatch:
+    """The model's cache argument for one forward over several sequences' block tables.
+
+    Same contract as the contiguous `KVCache`: `write` stores this step's K/V at the tokens'
+    positions and returns every key/value each row may attend to (rows padded to the longest;
+    causal masking by position hides the padding).
+    """
+
+    def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
+        self.pool = pool
+        width = max(len(t) for t in block_tables)
+        padded = [t + [t[-1]] * (width - len(t)) for t in block_tables]
+        self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, blocks]
+        bs = pool.block_size
+        offsets = torch.arange(bs, device=device)
+        self.slot_map = (self.tables[:, :, None] * bs + offsets).reshape(len(block_tables), -1)  # [B, blocks*bs]
+        self.kv_len = 0
+
+    def reserve(self, length: int) -> None:
+        if length > self.slot_map.shape[1]:
+            raise AssertionError(f"block table covers {self.slot_map.shape[1]} tokens, forward needs {length}")
+        self.kv_len = length
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        slots = self.slot_map.gather(1, positions)  # [B, T]
+        self.pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
+        return self.pool.read(layer, self.slot_map[:, : self.kv_len])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B*T, Hkv, D]"""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])

@@ -1,0 +1,376 @@
+"""The engine loop: one thread owns the model and the KV pool and schedules every request.
+
+Each step: take new requests and cancellations; end superseded, cancelled and expired ones;
+admit waiting requests whose blocks fit (prefix-cache hits first acquire shared blocks); run
+one prefill chunk (interactive completions before warm-ups) and one batched decode step over
+every decoding sequence. A long cold prompt therefore delays running decodes by at most one
+chunk, and a warm-up never delays a completion's prefill.
+
+Requests finish with an event; text arrives as delta events. Events are delivered through the
+request's callback, from the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.block_allocator import BlockAllocator, PoolExhausted
+from engine.kv_pool import KVPool, PagedBatch
+from engine.model import Qwen3MoeModel
+from engine.output import OutputAssembler
+from engine.sampling import sample
+from engine.sequence import BlockTable
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class PoolFull(RuntimeError):
+    """A request that can never fit in the KV pool."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+    warm_only: bool = False  # prefill and keep the blocks cached; no output
+    client: str | None = None  # a newer request of the same client supersedes older ones
+    deadline_s: float | None = None  # seconds after submission; then it ends with what it has
+    return_logits: bool = False  # the first sampled position's logits in the final event
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Event:
+    request_id: str
+    kind: str  # "delta", "done" or "error"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class _Active:
+    request: Request
+    on_event: Callable[[Event], None]
+    order: int
+    submitted: float
+    table: BlockTable | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt, then generated tokens
+    computed: int = 0  # tokens whose K/V are in the pool
+    cached: int = 0  # prompt tokens served from the prefix cache
+    output: OutputAssembler | None = None
+    generator: torch.Generator | None = None
+    started: float = 0.0
+    first_token: float = 0.0
+    prefill_s: float = 0.0
+    cancel_reason: str | None = None
+    first_logits: torch.Tensor | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed >= len(self.request.prompt_ids)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Qwen3MoeModel,
+        tokenizer: Tokenizer,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_fp8: bool = False,
+        kv_memory_bytes: int = 256 << 20,
+        prefill_chunk: int = 512,
+        max_batch: int = 32,
+        salt: str = "",
+    ):
+        cfg = model.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
+        if num_blocks is None:
+            per_token = KVPool(cfg.num_layers, 1, 1, cfg.num_kv_heads, cfg.head_dim, model.dtype, "meta", kv_fp8)
+            num_blocks = max(1, kv_memory_bytes // (per_token.bytes_per_token() * block_size))
+        self.pool = KVPool(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, kv_fp8
+        )
+        self.allocator = BlockAllocator(num_blocks, block_size, salt=salt)
+        self._lock = threading.Condition()
+        self._inbox: list[_Active] = []
+        self._cancels: list[tuple[str, str]] = []
+        self._order = itertools.count()
+        self.waiting: list[_Active] = []
+        self.running: list[_Active] = []
+        self.counters = dict(requests=0, completed=0, cancelled=0, failed=0, prompt_tokens=0, cache_hit_tokens=0)
+        self._stop = False
+
+    # -- public, any thread ---------------------------------------------------------------------
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> str:
+        active = _Active(request, on_event, next(self._order), time.monotonic())
+        with self._lock:
+            self._inbox.append(active)
+            self._lock.notify()
+        return request.id
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        with self._lock:
+            self._cancels.append((request_id, reason))
+            self._lock.notify()
+
+    def stats(self) -> dict:
+        a = self.allocator.stats()
+        return dict(
+            self.counters,
+            blocks_total=a.blocks_total,
+            blocks_used=a.blocks_used,
+            blocks_free=a.blocks_free,
+            blocks_evictable=a.blocks_evictable,
+            evictions=a.evictions,
+            block_size=self.block_size,
+            kv_bytes_per_token=self.pool.bytes_per_token(),
+            kv_format="fp8_e4m3" if self.pool.fp8 else str(self.model.dtype).removeprefix("torch."),
+            waiting=len(self.waiting),
+            running=len(self.running),
+        )
+
+    def run_forever(self) -> None:
+        """The engine thread's loop; returns after `stop()`."""
+        while True:
+            with self._lock:
+                while not (self._stop or self._inbox or self._cancels or self.waiting or self.running):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+
+    def start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run_forever, name="wd-engine-loop", daemon=True)
+        thread.start()
+        return thread
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Synchronous driving, for tests and one-shot tools."""
+        for _ in range(max_steps):
+            self.step()
+            if not (self._inbox or self._cancels or self.waiting or self.running):
+                return
+
+    # -- the loop body --------------------------------------------------------------------------
+    def step(self) -> None:
+        self._take_inbox()
+        self._end_expired()
+        self._admit()
+        prefill = self._next_prefill()
+        if prefill is not None:
+            self._guarded([prefill], self._prefill_chunk, prefill)
+        decoding = [a for a in self.running if a.decoding][: self.max_batch]
+        if decoding:
+            self._guarded(decoding, self._decode_step, decoding)
+
+    def _guarded(self, actives, fn, arg) -> None:
+        """A failure inside the model ends the requests involved, never the loop."""
+        try:
+            fn(arg)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged, loop goes on
+            log.exception("engine step failed")
+            for a in actives:
+                if a in self.running:
+                    self._fail(a, f"engine error: {type(exc).__name__}: {exc}")
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            arrivals, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for a in arrivals:
+            self.counters["requests"] += 1
+            if a.request.client is not None:
+                for other in self.waiting + self.running:
+                    if other.request.client == a.request.client and other.cancel_reason is None:
+                        other.cancel_reason = "superseded"
+            self.waiting.append(a)
+        for request_id, reason in cancels:
+            for a in self.waiting + self.running:
+                if a.request.id == request_id and a.cancel_reason is None:
+                    a.cancel_reason = reason
+
+    def _end_expired(self) -> None:
+        now = time.monotonic()
+        for a in list(self.waiting) + list(self.running):
+            deadline = a.request.deadline_s
+            if a.cancel_reason is None and deadline is not None and now - a.submitted > deadline:
+                a.cancel_reason = "deadline"
+            if a.cancel_reason is not None:
+                self.counters["cancelled"] += 1
+                self._finish(a, a.cancel_reason)
+
+    def _admit(self) -> None:
+        # Completions before warm-ups, then first come first served.
+        self.waiting.sort(key=lambda a: (a.request.warm_only, a.order))
+        for a in list(self.waiting):
+            try:
+                admitted = self._try_admit(a)
+            except PoolFull as exc:
+                self.waiting.remove(a)
+                self._emit(a, Event(a.request.id, "error", error=str(exc)))
+                self.counters["failed"] += 1
+                continue
+            if admitted:
+                self.waiting.remove(a)
+                self.running.append(a)
+
+    def _try_admit(self, a: _Active) -> bool:
+        req, bs = a.request, self.block_size
+        prompt = req.prompt_ids
+        if not prompt:
+            raise PoolFull("empty prompt")
+        limit = self.model.config.max_position_embeddings
+        budget = 0 if req.warm_only else max(req.max_tokens, 0)
+        total = min(len(prompt) + budget, limit)
+        if len(prompt) >= limit:
+            raise PoolFull(f"prompt has {len(prompt)} tokens; the model's context is {limit}")
+        needed = -(-total // bs)
+        if needed > self.allocator.num_blocks:
+            raise PoolFull(
+                f"request needs {needed} KV blocks ({total} tokens) but the pool has {self.allocator.num_blocks}"
+            )
+        # Keep at least the last prompt token to compute: its logits give the first new token.
+        shared = self.allocator.match_prefix(prompt, max_tokens=len(prompt) - 1)
+        fresh = needed - len(shared)
+        if fresh > self.allocator.available() and not req.warm_only:
+            self._preempt_warms(fresh)
+        if fresh > self.allocator.available():
+            self.allocator.release(shared)  # wait for running requests to finish
+            return False
+        a.table = BlockTable(self.allocator, self.pool, shared)
+        a.table.grow_to(total)
+        a.tokens = list(prompt)
+        a.computed = a.cached = len(shared) * bs
+        a.started = time.monotonic()
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["cache_hit_tokens"] += a.cached
+        if not req.warm_only:
+            a.output = OutputAssembler(self.tokenizer, total - len(prompt), req.stop, req.stop_at_eos)
+            if req.seed is not None:
+                a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
+        return True
+
+    def _preempt_warms(self, wanted: int) -> None:
+        for a in [a for a in self.running if a.request.warm_only]:
+            if self.allocator.available() >= wanted:
+                return
+            self._finish(a, "preempted")
+
+    def _next_prefill(self) -> _Active | None:
+        pending = [a for a in self.running if not a.decoding]
+        return min(pending, key=lambda a: (a.request.warm_only, a.order), default=None)
+
+    # -- model work -----------------------------------------------------------------------------
+    def _prefill_chunk(self, a: _Active) -> None:
+        prompt = a.request.prompt_ids
+        start, end = a.computed, min(len(prompt), a.computed + self.prefill_chunk)
+        t0 = time.monotonic()
+        a.table.prepare_write(start, end)
+        device = self.model.device
+        tokens = torch.tensor([prompt[start:end]], device=device)
+        positions = torch.arange(start, end, device=device)[None]
+        logits = self.model.forward(tokens, positions, PagedBatch(self.pool, [a.table.blocks], device), last_only=True)
+        a.computed = end
+        a.prefill_s += time.monotonic() - t0
+        if end < len(prompt):
+            return
+        self.allocator.register(a.table.blocks, prompt)  # shareable from now on
+        if a.request.warm_only:
+            self._finish(a, "warmed")
+            return
+        self._accept(a, logits[0, -1], first=True)
+
+    def _decode_step(self, batch: list[_Active]) -> None:
+        device = self.model.device
+        for a in batch:
+            a.table.prepare_write(a.computed, a.computed + 1)
+        tokens = torch.tensor([[a.tokens[-1]] for a in batch], device=device)
+        positions = torch.tensor([[a.computed] for a in batch], device=device)
+        view = PagedBatch(self.pool, [a.table.blocks for a in batch], device)
+        logits = self.model.forward(tokens, positions, view)
+        for i, a in enumerate(batch):
+            a.computed += 1
+            self._accept(a, logits[i, -1])
+
+    def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False) -> None:
+        req = a.request
+        token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
+        if first:
+            a.first_token = time.monotonic()
+            a.first_logits = logits if req.return_logits else None
+        delta = a.output.push(token)
+        a.tokens.append(token)
+        if delta:
+            self._emit(a, Event(req.id, "delta", text=delta))
+        if a.output.finished:
+            self.counters["completed"] += 1
+            self._finish(a, a.output.finish_reason)
+
+    # -- endings ----------------------------------------------------------------------------------
+    def _finish(self, a: _Active, reason: str) -> None:
+        if a.output is not None:
+            tail = a.output.finish(reason)
+            if tail:
+                self._emit(a, Event(a.request.id, "delta", text=tail))
+        self._release(a)
+        now = time.monotonic()
+        usage = dict(
+            prompt_tokens=len(a.request.prompt_ids),
+            cached_tokens=a.cached,
+            completion_tokens=len(a.output.token_ids) if a.output else 0,
+            queue_ms=1000 * ((a.started or now) - a.submitted),
+            prefill_ms=1000 * a.prefill_s,
+            first_token_ms=1000 * (a.first_token - a.submitted) if a.first_token else None,
+            total_ms=1000 * (now - a.submitted),
+        )
+        reason = a.output.finish_reason if a.output and a.output.finish_reason else reason
+        self._emit(a, Event(a.request.id, "done", finish_reason=reason, usage=usage, logits=a.first_logits))
+
+    def _fail(self, a: _Active, message: str) -> None:
+        self._release(a)
+        self.counters["failed"] += 1
+        self._emit(a, Event(a.request.id, "error", error=message))
+
+    def _release(self, a: _Active) -> None:
+        if a in self.waiting:
+            self.waiting.remove(a)
+        if a in self.running:
+            self.running.remove(a)
+        if a.table is not None:
+            # Whatever was computed stays reusable: a superseded warm-up still warms.
+            self.allocator.register(a.table.blocks, a.tokens[: a.computed])
+            a.table.free()
+            a.table = None
+
+    def _emit(self, a: _Active, event: Event) -> None:
+        try:
+            a.on_event(event)
+        except Exception:  # noqa: BLE001 - a broken client callback must not stop the engine
+            log.exception("event callback failed for request %s", a.request.id)

@@ -1,0 +1,220 @@
+"""The engine loop: prefix-cache exactness, batching, cancellation, supersession, full pools."""
+
+import pytest
+import torch
+
+from engine.generate import complete
+from engine.kv_pool import KVPool, PagedBatch
+from engine.loader import load_model
+from engine.scheduler import Engine, Request
+from engine.sequence import BlockTable
+from engine.tokenizer import Tokenizer
+
+CODE = (
+    "import os\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
+    "def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i * i)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    path = checkpoint_factory()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def run(engine, request):
+    """Submit, drive the loop synchronously, return (text, done-or-error event)."""
+    events = []
+    engine.submit(request, events.append)
+    engine.run_until_idle()
+    text = "".join(e.text for e in events if e.kind == "delta")
+    return text, events[-1]
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_cache_hits_give_cold_logits(tiny):
+    model, tok = tiny
+    prompt = tok.encode(CODE)
+    assert len(prompt) > 40
+    cold_engine = Engine(model, tok, num_blocks=64, block_size=8)
+    _, cold = run(cold_engine, Request(prompt, max_tokens=1, return_logits=True))
+    assert cold.usage["cached_tokens"] == 0
+
+    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    _, warm = run(engine, Request(prompt[:-3], warm_only=True))
+    assert warm.finish_reason == "warmed"
+    _, hit = run(engine, Request(prompt, max_tokens=1, return_logits=True))
+    assert hit.usage["cached_tokens"] == (len(prompt) - 3) // 8 * 8 > 0
+    assert max_rel(hit.logits, cold.logits) < 1e-5
+
+    # The same prompt again: everything but the last token is served from the cache.
+    _, again = run(engine, Request(prompt, max_tokens=1, return_logits=True))
+    assert again.usage["cached_tokens"] == (len(prompt) - 1) // 8 * 8
+    assert max_rel(again.logits, cold.logits) < 1e-5
+
+    # A prompt that diverges mid-block shares only the full blocks before the divergence.
+    other = prompt[:21] + tok.encode("zzz = 3\n")
+    _, partial = run(engine, Request(other, max_tokens=1, return_logits=True))
+    assert partial.usage["cached_tokens"] == 16
+    _, partial_cold = run(Engine(model, tok, num_blocks=64, block_size=8), Request(other, max_tokens=1, return_logits=True))
+    assert max_rel(partial.logits, partial_cold.logits) < 1e-5
+
+
+def test_paged_logits_match_contiguous_cache(tiny):
+    model, tok = tiny
+    prompt = tok.encode(CODE)
+    _, paged = run(Engine(model, tok, num_blocks=64, block_size=8), Request(prompt, max_tokens=1, return_logits=True))
+    contiguous = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], model.new_cache(1))[0, -1]
+    assert max_rel(paged.logits, contiguous) < 1e-5
+
+
+def test_after_eviction_and_reprefill(tiny):
+    model, tok = tiny
+    prompt = tok.encode(CODE)
+    engine = Engine(model, tok, num_blocks=12, block_size=8)
+    _, first = run(engine, Request(prompt, max_tokens=1, return_logits=True))
+    for i in range(3):  # other prompts push the first one's blocks out
+        run(engine, Request(tok.encode(f"filler {i} " * 5), warm_only=True))
+    assert engine.stats()["evictions"] > 0
+    _, again = run(engine, Request(prompt, max_tokens=1, return_logits=True))
+    assert again.usage["cached_tokens"] < (len(prompt) - 1) // 8 * 8
+    assert max_rel(again.logits, first.logits) < 1e-5
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_fork_copies_the_shared_partial_block(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=32, block_size=8)
+    prompt = tok.encode(CODE)[:20]  # 2.5 blocks: the fork shares a partial block
+    a_tail, b_tail = tok.encode(" alpha"), tok.encode(" beta gamma")
+    table = BlockTable(engine.allocator, engine.pool)
+
+    def forward(tbl, tokens, start):
+        tbl.prepare_write(start, start + len(tokens))
+        pos = torch.arange(start, start + len(tokens))[None]
+        return model.forward(torch.tensor([tokens]), pos, PagedBatch(engine.pool, [tbl.blocks], "cpu"))[0, -1]
+
+    forward(table, prompt, 0)
+    fork = table.fork()
+    shared_tail = table.blocks[2]
+    logits_a = forward(table, a_tail, len(prompt))
+    logits_b = forward(fork, b_tail, len(prompt))
+    # The first writer copied the shared partial block; the second then owned the original.
+    assert table.blocks[2] != shared_tail and fork.blocks[2] == shared_tail
+    assert table.blocks[:2] == fork.blocks[:2]
+    for tail, got in ((a_tail, logits_a), (b_tail, logits_b)):
+        seq = prompt + tail
+        cold = model.forward(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1))[0, -1]
+        assert max_rel(got, cold) < 1e-5
+    table.free()
+    fork.free()
+    engine.allocator.check_invariants()
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_fp8_cache_is_close_and_smaller(tiny):
+    model, tok = tiny
+    prompt = tok.encode(CODE)
+    _, exact = run(Engine(model, tok, num_blocks=64, block_size=8), Request(prompt, max_tokens=1, return_logits=True))
+    fp8 = Engine(model, tok, num_blocks=64, block_size=8, kv_fp8=True)
+    _, approx = run(fp8, Request(prompt, max_tokens=1, return_logits=True))
+    assert max_rel(approx.logits, exact.logits) < 0.1
+    full = Engine(model, tok, num_blocks=64, block_size=8).stats()["kv_bytes_per_token"]
+    assert fp8.stats()["kv_bytes_per_token"] < 0.6 * full
+    assert fp8.stats()["kv_format"] == "fp8_e4m3"
+
+
+def test_batched_decode_equals_single_generation(tiny):
+    model, tok = tiny
+    prompts = [tok.encode(p) for p in ("def add(a, b):", "class Point:\n", "for i in range(", "import os\n" * 3)]
+    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    results = {}
+    for i, p in enumerate(prompts):
+        results[i] = []
+        engine.submit(Request(p, max_tokens=12, stop_at_eos=False), results[i].append)
+    engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        expected, _ = complete(model, tok, p, max_tokens=12, stop_at_eos=False)
+        assert "".join(e.text for e in results[i] if e.kind == "delta") == expected
+        assert results[i][-1].finish_reason == "length"
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode", "waiting"])
+def test_cancel_frees_everything(tiny, when):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8, prefill_chunk=8)
+    events = []
+    rid = engine.submit(Request(tok.encode(CODE), max_tokens=50, stop_at_eos=False), events.append)
+    steps = {"waiting": 0, "prefill": 1, "decode": 12}[when]
+    for _ in range(steps):
+        engine.step()
+    assert (engine.stats()["blocks_used"] > 0) == (when != "waiting")
+    engine.cancel(rid)
+    engine.run_until_idle()
+    assert events[-1].kind == "done" and events[-1].finish_reason == "cancelled"
+    assert engine.stats()["blocks_used"] == 0
+    engine.allocator.check_invariants()
+
+
+def test_full_pool_queues_then_rejects_clearly(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=4, block_size=8)
+    first, second = [], []
+    engine.submit(Request(tok.encode("def add(a, b):"), max_tokens=12, stop_at_eos=False), first.append)
+    engine.submit(Request(tok.encode("class Point:"), max_tokens=12, stop_at_eos=False), second.append)
+    engine.step()
+    assert engine.stats()["waiting"] == 1  # the second waits for blocks, it is not rejected
+    engine.run_until_idle()
+    assert first[-1].kind == "done" and second[-1].kind == "done"
+    _, err = run(engine, Request(tok.encode(CODE), max_tokens=8))
+    assert err.kind == "error" and "needs" in err.error and "pool has 4" in err.error
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_newer_request_of_a_client_supersedes_and_completions_preempt_warms(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8, prefill_chunk=8)
+    log = []
+    engine.submit(Request(tok.encode(CODE), warm_only=True, client="a", id="warm-a"), log.append)
+    engine.submit(Request(tok.encode(CODE), warm_only=True, client="b", id="warm-b"), log.append)
+    engine.step()
+    engine.submit(Request(tok.encode(CODE[:40]), max_tokens=4, client="a", id="complete-a"), log.append)
+    engine.run_until_idle()
+    done = [(e.request_id, e.finish_reason) for e in log if e.kind == "done"]
+    assert ("warm-a", "superseded") in done
+    # The completion's prefill ran before the other client's warm-up finished.
+    assert [r for r, _ in done].index("complete-a") < [r for r, _ in done].index("warm-b")
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_deadline_ends_a_request_with_what_it_has(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    _, done = run(engine, Request(tok.encode(CODE), max_tokens=50, deadline_s=0.0))
+    assert done.finish_reason == "deadline"
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_engine_thread_serves_requests(tiny):
+    import threading
+
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    thread = engine.start_thread()
+    finished = threading.Event()
+    events = []
+
+    def on_event(e):
+        events.append(e)
+        if e.kind != "delta":
+            finished.set()
+
+    engine.submit(Request(tok.encode("def add(a, b):"), max_tokens=8, stop_at_eos=False), on_event)
+    assert finished.wait(30)
+    engine.stop()
+    thread.join(5)
+    assert events[-1].kind == "done" and events[-1].usage["completion_tokens"] == 8
