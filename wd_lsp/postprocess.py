@@ -169,14 +169,15 @@ def balance_brackets(text: str, prefix: str, line_suffix: str, language: str = "
 
 def cut_repetition(text: str, max_period: int = 4, repeats: int = 3) -> str:
     """Keep one copy of a line or block the model repeats `repeats` times in a row."""
-    lines = text.split("\n")
+    raw = text.split("\n")
+    lines = [l.strip() for l in raw]  # the first line has no indentation of its own
     for i in range(len(lines)):
         for period in range(1, max_period + 1):
             block = lines[i : i + period]
             if len(block) < period or all(_TRIVIAL.match(l) for l in block):
                 continue
             if all(lines[i + r * period : i + (r + 1) * period] == block for r in range(1, repeats)):
-                return "\n".join(lines[: i + period])
+                return "\n".join(raw[: i + period])
     return text
 
 

@@ -148,7 +148,9 @@ def _block_indent(ctx: CompletionContext) -> int:
     if not before:
         prev = _previous_code_line(ctx.prefix)
         if prev is not None and _opens_block(prev.rstrip(), ctx.language):
-            return max(here, columns(leading_ws(prev)) + unit)
+            opener = columns(leading_ws(prev))
+            # the editor's auto-indent on the cursor line knows the style better than we do
+            return here if here > opener else opener + unit
         return columns(ctx.line_prefix)
     return here
 

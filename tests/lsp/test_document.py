@@ -191,3 +191,16 @@ def test_five_megabyte_file_is_declined_fast():
 def test_utf16_len_matches_encoder():
     for s in ["", "abc", "😀", "中文😀x", "\ud800"]:
         assert utf16_len(s) == len(s.encode("utf-16-le", "surrogatepass")) // 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", " ", "\n", "\r", "\r\n", "😀", "中", "é", "\t"]), max_size=40).map("".join))
+def test_positions_round_trip_random_text(text):
+    doc = Document("file:///t.txt", text)
+    for offset in range(len(text) + 1):
+        pos = doc.position_at(offset)
+        if text[offset - 1 : offset + 1] == "\r\n":
+            continue  # inside a line break: not addressable in LSP
+        assert pos == lsp_position(text, offset)
+        resolved = doc.resolve(pos)
+        assert resolved.offset == offset and not resolved.clamped
