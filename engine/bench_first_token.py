@@ -1,0 +1,119 @@
+"""First-token latency, cold against warm after one typed character.
+
+    python -m engine.bench_first_token [--model DIR | --random] [--contexts 1024 4096 8192]
+
+Cold: a fresh engine computes the whole prompt. Warm: the engine was warmed with the prompt as
+it stood one keystroke earlier (suffix-first FIM, so the keystroke only appends), as the server
+does while the user types; the completion then computes only the new tokens. Prompts are real
+source text (this project's own files, then the standard library's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.fim import build_fim_prompt
+from engine.loader import load_model
+from engine.models import default_model_dir
+from engine.scheduler import Engine, Request
+from engine.tokenizer import Tokenizer
+
+
+def source_text(min_chars: int) -> str:
+    """Enough real code: this project's sources, then standard-library modules."""
+    import asyncio, collections, email, json as json_mod, logging, pathlib, typing  # noqa: E401
+
+    root = Path(__file__).resolve().parent.parent
+    parts = [p.read_text() for p in sorted(root.glob("*/**/*.py"))[:200] if p.stat().st_size < 200_000]
+    for module in (typing, collections, logging, pathlib, json_mod, email, asyncio):
+        parts.append(inspect.getsource(module))
+    text = "\n".join(parts)
+    while len(text) < min_chars:
+        text += text
+    return text
+
+
+def first_token_ms(engine: Engine, prompt_ids: list[int]) -> float:
+    events = []
+    engine.submit(Request(prompt_ids, max_tokens=1, stop_at_eos=False), events.append)
+    engine.run_until_idle()
+    if events[-1].kind != "done":
+        raise RuntimeError(events[-1].error)
+    return events[-1].usage["first_token_ms"]
+
+
+def prompt_pair(tokenizer, text: str, n_tokens: int) -> tuple[list[int], list[int]]:
+    """SPM prompts before and after typing one character at the cursor, about n_tokens long."""
+    ids = tokenizer.encode(text[: n_tokens * 6])
+    cut = tokenizer.decode(ids[: n_tokens - 40])
+    suffix = "\n\n" + text[len(cut) : len(cut) + 120]
+    before = build_fim_prompt(tokenizer, cut, suffix, "spm")
+    after = build_fim_prompt(tokenizer, cut + "x", suffix, "spm")
+    return before, after
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model folder (default: the embedded model)")
+    ap.add_argument("--random", action="store_true",
+                    help="random weights of the model's shape with a 16K context (for prompts past its own)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args(argv)
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if args.random:
+        from engine.random_model import random_model
+
+        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg["max_position_embeddings"] = max(16384, max(args.contexts) + 64)
+        dtype = torch.float32 if args.dtype == "auto" and args.device == "cpu" else torch.bfloat16
+        model = random_model(cfg, dtype=dtype, device=args.device)
+    else:
+        model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    text = source_text(max(args.contexts) * 8)
+    print(f"model: {model_dir.name}{' (random weights)' if args.random else ''}, device {args.device}, "
+          f"{torch.get_num_threads()} threads, block {args.block_size}")
+    print(f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8}")
+    results = []
+    first_token_ms(Engine(model, tokenizer, num_blocks=64, block_size=args.block_size), tokenizer.encode(text[:2000]))
+    for n in args.contexts:
+        if n + 8 >= model.config.max_position_embeddings:
+            print(f"{n:>8}  skipped: the model's context is {model.config.max_position_embeddings}")
+            continue
+        before, after = prompt_pair(tokenizer, text, n)
+        blocks = 2 * (len(after) // args.block_size + 4)
+        cold, warm = [], []
+        for _ in range(args.repeat):
+            cold.append(first_token_ms(Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size), after))
+            engine = Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size)
+            engine.submit(Request(before, warm_only=True), lambda e: None)
+            engine.run_until_idle()
+            warm.append(first_token_ms(engine, after))
+        row = dict(prompt_tokens=len(after), cold_ms=statistics.median(cold), warm_ms=statistics.median(warm),
+                   new_tokens=len(after) - engine.stats()["cache_hit_tokens"])
+        row["speedup"] = row["cold_ms"] / row["warm_ms"]
+        results.append(row)
+        print(f"{row['prompt_tokens']:>8} {row['cold_ms']:>10.1f} {row['warm_ms']:>10.1f} {row['speedup']:>8.1f}x "
+              f"{row['new_tokens']:>8}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=model_dir.name, random=args.random, device=args.device,
+                                                   results=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Completion prompts laid out so that the prefix cache stays warm while the user types.
+
+Order, most stable first:
+  1. extra context chunks (other files: definitions, imports), each `<|file_sep|>path\\ntext`,
+  2. then, when the model supports suffix-first FIM (SPM): suffix, then prefix, then the middle
+     marker — typing at the cursor only appends to the prompt, so every earlier block stays a
+     cache hit; otherwise PSM with the suffix bounded, so a change in the suffix invalidates
+     only what follows the prefix.
+A token budget is enforced here: the suffix keeps its start, the prefix keeps its end, the
+context chunks go first when space runs out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.fim import FILE_SEP, fim_token_ids
+
+
+@dataclass(frozen=True)
+class ContextChunk:
+    path: str
+    text: str
+
+
+def supported_fim_orders(model_dir: str | Path) -> tuple[str, ...]:
+    """FIM orders a model was trained with: `fim_orders` in tokenizer_config.json, else PSM only
+    (the Qwen-Coder format)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if path.is_file():
+        orders = json.loads(path.read_text()).get("fim_orders")
+        if orders:
+            return tuple(o for o in orders if o in ("psm", "spm")) or ("psm",)
+    return ("psm",)
+
+
+def build_completion_prompt(
+    tokenizer,
+    prefix: str,
+    suffix: str,
+    chunks: list[ContextChunk] | tuple[ContextChunk, ...] = (),
+    path: str | None = None,
+    order: str = "psm",
+    max_prompt_tokens: int = 2048,
+    max_suffix_tokens: int = 256,
+) -> list[int]:
+    pre, suf, mid = fim_token_ids(tokenizer)
+    prefix_ids = tokenizer.encode(prefix)
+    suffix_ids = tokenizer.encode(suffix)[:max_suffix_tokens]
+    header: list[int] = []
+    sep = tokenizer.token_id(FILE_SEP)
+    if sep is not None and path:
+        header = [sep, *tokenizer.encode(f"{path}\n")]
+    fixed = 3 + len(header) + len(suffix_ids)
+    if fixed + 1 > max_prompt_tokens:  # degenerate budget: drop the suffix before the prefix
+        suffix_ids = suffix_ids[: max(0, max_prompt_tokens - 4 - len(header))]
+        fixed = 3 + len(header) + len(suffix_ids)
+    prefix_ids = prefix_ids[max(0, len(prefix_ids) - (max_prompt_tokens - fixed)) :]
+    room = max_prompt_tokens - fixed - len(prefix_ids)
+    context: list[int] = []
+    if sep is not None:
+        for chunk in chunks:
+            ids = [sep, *tokenizer.encode(f"{chunk.path}\n{chunk.text.rstrip()}\n")]
+            if len(context) + len(ids) > room:
+                break
+            context += ids
+    if order == "spm":
+        body = [suf, *suffix_ids, pre, *prefix_ids, mid]
+    elif order == "psm":
+        body = [pre, *prefix_ids, suf, *suffix_ids, mid]
+    else:
+        raise ValueError(f"unknown FIM order {order!r}")
+    return context + header + body
