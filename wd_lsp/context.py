@@ -29,6 +29,9 @@ TokenCounter = Callable[[str], int]
 # longer than budget * this cannot fit, so the search for a cut starts no further back.
 MAX_CHARS_PER_TOKEN = 32
 PREFIX_CUT_STEP = 16
+MAX_DEFINITIONS_PER_NAME = 2
+# The indentation style is read from this much of the text: enough to see it, cheap per call.
+INDENT_SAMPLE_CHARS = 16_384
 CHUNK_KINDS = ("import", "definition", "recent_edit")  # stable first
 
 
@@ -133,7 +136,7 @@ def build_context(
         line_suffix=line_suffix,
         mid_line=bool(line_suffix.strip()),
         indent=leading_ws(line_prefix + line_suffix),
-        indent_unit=detect_indent_unit(text[:200_000], "\t" if doc.language.name == "go" else "    "),
+        indent_unit=detect_indent_unit(text[:INDENT_SAMPLE_CHARS], "\t" if doc.language.name == "go" else "    "),
         prefix_start_line=prefix_line,
         suffix_end_line=suffix_line,
         prefix_truncated=prefix_start > 0,
@@ -335,19 +338,19 @@ def select_chunks(
         picked.append(ContextChunk(kind, d.uri, display_path(d.path, root), text, a))
         return True
 
-    candidates = [doc, *others]
     if doc.decline_reason is None:
         # 1. definitions of names used near the cursor, nearest name first
+        cur_line = doc.line_at(offset)
         by_name: dict[str, list[tuple[Document, symbols.Definition]]] = {}
-        for d in candidates:
-            if d.decline_reason is not None:
-                continue
-            for definition in symbols.definitions(d):
+        own = symbols.definitions_outside(doc, *window)
+        for d, defs in [(doc, own)] + [(o, symbols.definitions(o)) for o in others if o.decline_reason is None]:
+            for definition in defs:
                 by_name.setdefault(definition.name, []).append((d, definition))
         names = names_near(doc, offset, budget.names_lines_before, budget.names_lines_after)
         for name in names:
-            for d, definition in by_name.get(name, ()):
-                if d is doc and definition.start <= offset <= definition.end:
+            # a name defined in many places (a common method name) is not worth many chunks
+            for d, definition in by_name.get(name, ())[:MAX_DEFINITIONS_PER_NAME]:
+                if d is doc and definition.start_line <= cur_line <= definition.end_line:
                     continue  # the enclosing definition: its nearby part is in the prefix
                 end = min(definition.end_line, definition.start_line + budget.max_definition_lines - 1)
                 take("definition", d, definition.start_line, end)
@@ -355,7 +358,7 @@ def select_chunks(
                 break
 
         # 2. outlines (signatures) of open files this one imports
-        for imp in symbols.imports(doc):
+        for imp in symbols.imports_around(doc, *window):
             for d in others:
                 if d.decline_reason is None and symbols.imports_file(imp, d.path, d.language.name):
                     outline = outline_of(d)

@@ -24,7 +24,9 @@ def postprocess(completion: str, ctx: CompletionContext, rules: StopRules) -> st
     text, _ = apply_stop_rules(completion, rules)
     if not rules.multiline:
         text = text.split("\n", 1)[0]
-    text = text.rstrip() if "\n" in text.strip("\n") or not ctx.line_suffix.strip() else text
+    if "\n" in text or not ctx.line_suffix.strip():
+        # trailing blanks are noise at a line's end or after a block; mid-line they may matter
+        text = text.rstrip()
     if not text.strip():
         return None
     text = trim_suffix_overlap(text, ctx.line_prefix, ctx.line_suffix, ctx.language)

@@ -17,11 +17,12 @@ from .queries import DEFINITIONS, IMPORTS
 @dataclass(frozen=True)
 class Definition:
     name: str
-    start: int  # code point offsets of the whole definition node
-    end: int
-    start_line: int
+    start_line: int  # lines of the whole definition node, inclusive
     end_line: int
     body_line: int  # first line of the body (== start_line when there is no separate body)
+
+    def shifted(self, lines: int) -> "Definition":
+        return Definition(self.name, self.start_line + lines, self.end_line + lines, self.body_line + lines)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Import:
     text: str  # the module path as written, quotes stripped
     segments: tuple[str, ...]  # path segments: "pkg.util" -> ("pkg", "util")
     relative: bool  # "./x", ".x", "super::x": resolved next to the importing file
+
+    def shifted(self, lines: int) -> "Import":
+        return self  # imports carry no positions
 
 
 @lru_cache(maxsize=None)
@@ -43,65 +47,130 @@ def ts_language_for(grammar: str) -> Any:
     return ts_language(Language(grammar, grammar))
 
 
-def _matches(doc: Document, kind: str) -> list[tuple[int, dict[str, list[Any]]]]:
+def _matches(doc: Document, kind: str, byte_range: tuple[int, int] | None = None) -> list:
     from tree_sitter import QueryCursor
 
     tree = doc.tree
     if tree is None or doc.language.grammar is None:
         return []
-    return QueryCursor(_query(doc.language.grammar, kind)).matches(tree.root_node)
+    cursor = QueryCursor(_query(doc.language.grammar, kind))
+    if byte_range is not None:
+        cursor.set_byte_range(*byte_range)
+    return cursor.matches(tree.root_node)
 
 
-# Per document: kind -> (generation, value); weak so closed documents drop their entries.
-_cache: "weakref.WeakKeyDictionary[Document, dict[str, tuple[int, Any]]]" = weakref.WeakKeyDictionary()
+# Per document: key -> (validity key, value); weak so closed documents drop their entries.
+_cache: "weakref.WeakKeyDictionary[Document, dict[str, tuple[Any, Any]]]" = weakref.WeakKeyDictionary()
 
 
-def _cached(doc: Document, kind: str, compute: Any) -> Any:
+def _cached(doc: Document, key: str, valid: Any, compute: Any) -> Any:
     entries = _cache.setdefault(doc, {})
-    hit = entries.get(kind)
-    if hit is not None and hit[0] == doc.generation:
+    hit = entries.get(key)
+    if hit is not None and hit[0] == valid:
         return hit[1]
-    value = compute(doc)
-    entries[kind] = (doc.generation, value)
+    value = compute()
+    entries[key] = (valid, value)
     return value
 
 
 def definitions(doc: Document) -> list[Definition]:
-    """All definitions in `doc`, in document order."""
-    return _cached(doc, "definitions", _definitions)
+    """All definitions in `doc`, in document order (cached until the text changes)."""
+    return _cached(doc, "definitions", doc.generation, lambda: _definitions(doc, 0, doc.line_count - 1))
 
 
-def _definitions(doc: Document) -> list[Definition]:
+def definitions_outside(doc: Document, lo_line: int, hi_line: int) -> list[Definition]:
+    """Definitions wholly above `lo_line` or wholly below `hi_line`.
+
+    For the document being typed in: edits happen between the two lines, so each side is
+    cached by its own text and the whole-file query is not rerun on every keystroke.
+    """
+    above = _region(doc, "def_above", 0, lo_line - 1, _definitions)
+    below = _region(doc, "def_below", hi_line + 1, doc.line_count - 1, _definitions)
+    return above + below
+
+
+def _region(doc: Document, key: str, first: int, last: int, compute: Any) -> list:
+    if first > last or first >= doc.line_count:
+        return []
+    start, end = doc.line_start(first), doc.line_end(last)
+    # keyed by the region's text; values stored relative to its first line
+    relative = _cached(
+        doc, key, (hash(doc.text[start:end]), end - start),
+        lambda: [d.shifted(-first) for d in compute(doc, first, last)],
+    )
+    return [d.shifted(first) for d in relative] if first else list(relative)
+
+
+def _definitions(doc: Document, first: int, last: int) -> list[Definition]:
+    if doc.tree is None:
+        return []
+    row_to_line = _row_mapper(doc)
+    lo_byte = doc.byte_offset(doc.line_start(first))
+    hi_byte = doc.byte_offset(doc.line_end(last))
     found: dict[tuple[int, str], Definition] = {}
-    for _, caps in _matches(doc, "definitions"):
+    for _, caps in _matches(doc, "definitions", (lo_byte, hi_byte)):
         nodes, names = caps.get("definition"), caps.get("name")
         if not nodes or not names:
             continue
-        node, name_node = nodes[0], names[0]
-        body = node.child_by_field_name("body")
-        start = doc.offset_of_byte(node.start_byte)
-        key = (start, _node_text(doc, name_node))
+        node = nodes[0]
+        if node.start_byte < lo_byte or node.end_byte > hi_byte:
+            continue  # only partly in the region
+        name = _node_text(doc, names[0])
+        key = (node.start_byte, name)
         if key in found:
             continue
-        start_line = doc.line_at(start)
-        body_line = doc.line_at(doc.offset_of_byte(body.start_byte)) if body else start_line
-        end = doc.offset_of_byte(node.end_byte)
-        found[key] = Definition(key[1], start, end, start_line, doc.line_at(end), body_line)
-    return sorted(found.values(), key=lambda d: (d.start, d.name))
+        body = node.child_by_field_name("body")
+        start_line = row_to_line(node.start_point[0])
+        body_line = row_to_line(body.start_point[0]) if body else start_line
+        found[key] = Definition(name, start_line, row_to_line(node.end_point[0]), body_line)
+    return [found[k] for k in sorted(found)]
+
+
+def _row_mapper(doc: Document):
+    """tree-sitter rows count "\n" only; our lines also end at a lone "\r"."""
+    if doc.line_count == doc.source_bytes.count(b"\n") + 1:
+        return lambda row: row
+    data = doc.source_bytes
+
+    def to_line(row: int) -> int:
+        at = -1
+        for _ in range(row):
+            at = data.index(b"\n", at + 1)
+        return doc.line_at(doc.offset_of_byte(at + 1))
+
+    return to_line
 
 
 def imports(doc: Document) -> list[Import]:
-    """Modules/files that `doc` imports, in document order."""
-    return _cached(doc, "imports", _imports)
+    """Modules/files that `doc` imports, in document order (cached until the text changes)."""
+    return _cached(doc, "imports", doc.generation, lambda: _imports(doc, 0, doc.line_count - 1))
 
 
-def _imports(doc: Document) -> list[Import]:
+def imports_around(doc: Document, lo_line: int, hi_line: int) -> list[Import]:
+    """Same as `imports`, with the parts outside [lo_line, hi_line] cached by their text."""
+    above = _region(doc, "imp_above", 0, lo_line - 1, _imports)
+    middle = _imports(doc, lo_line, min(hi_line, doc.line_count - 1))
+    below = _region(doc, "imp_below", hi_line + 1, doc.line_count - 1, _imports)
     out: list[Import] = []
-    for _, caps in _matches(doc, "imports"):
+    for imp in above + middle + below:
+        if imp not in out:
+            out.append(imp)
+    return out
+
+
+def _imports(doc: Document, first: int, last: int) -> list[Import]:
+    if doc.tree is None or first > last:
+        return []
+    lo_byte = doc.byte_offset(doc.line_start(first))
+    hi_byte = doc.byte_offset(doc.line_end(last))
+    out: list[Import] = []
+    for _, caps in _matches(doc, "imports", (lo_byte, hi_byte)):
         req = caps.get("_require")
         if req and _node_text(doc, req[0]) != "require":
             continue
         for node in caps.get("import", []):
+            if node.start_byte < lo_byte:
+                continue
             imp = parse_import(_node_text(doc, node), doc.language.name)
             if imp is not None and imp not in out:
                 out.append(imp)

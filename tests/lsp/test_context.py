@@ -159,3 +159,25 @@ def test_binary_document_gets_no_symbols():
     doc = Document("file:///a.py", "\x00\x01def f(): pass\n", "python")
     ctx = build_context(doc, Position(0, 2))
     assert ctx.declined == "binary" and ctx.chunks == ()
+
+
+def test_far_definition_in_the_same_file_is_a_chunk():
+    text = "def far_helper(n):\n    return n * 2\n\n\n" + _long_python(150) + "x = far_helper("
+    doc = Document("file:///a.py", text, "python")
+    ctx = build_context(doc, doc.position_at(len(text)), budget=Budget(prefix_tokens=200))
+    assert ctx.prefix_truncated and "def far_helper" not in ctx.prefix
+    assert any(c.kind == "definition" and c.text.startswith("def far_helper") for c in ctx.chunks)
+
+
+def test_region_cached_definitions_follow_edits():
+    text = _long_python(60)
+    doc = Document("file:///a.py", text, "python")
+    for i, line in enumerate([10, 150, 151, 20, 290]):
+        lo, hi = max(0, line - 20), line + 20
+        pos = Position(line, 0)
+        doc.apply_change("def new_%d():\n    pass\n" % i, pos, pos)
+        full = [d for d in definitions(doc) if d.end_line < lo or d.start_line > hi]
+        from wd_lsp.symbols import definitions_outside, imports, imports_around
+
+        assert definitions_outside(doc, lo, hi) == full
+        assert imports_around(doc, lo, hi) == imports(doc)
