@@ -60,6 +60,63 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import os
+    from pathlib import Path
+
+    from engine import paths
+    from engine.loader import load_model
+    from engine.scheduler import Engine
+    from engine.server import EngineServer, ServeOptions, new_token
+    from engine.tokenizer import Tokenizer
+
+    log_file = Path(args.log_file) if args.log_file else paths.log_path()
+    handlers = [logging.FileHandler(log_file)]
+    if args.foreground:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    log = logging.getLogger("wd_engine")
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    try:
+        t0 = time.perf_counter()
+        model = load_model(model_dir, dtype=args.dtype, device=args.device)
+        tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
+        log.info("loaded %s in %.0f ms on %s", model_dir.name, 1000 * (time.perf_counter() - t0), args.device)
+    except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
+        log.error("cannot load model %s: %s", model_dir, exc)
+        print(f"wd-engine: cannot load model {model_dir}: {exc}", file=sys.stderr)
+        return 1
+    engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
+                    kv_memory_bytes=args.kv_memory_mb << 20, prefill_chunk=args.prefill_chunk,
+                    salt=f"{model_dir.resolve()}:{model.dtype}")
+    token = None
+    if args.tcp_port is not None:
+        token = os.environ.get("WD_ENGINE_TOKEN") or (Path(args.token_file).read_text().strip() if args.token_file else None)
+        if not token:
+            token = new_token()
+            token_file = paths.runtime_dir() / "engine.token"
+            token_file.touch(mode=0o600)
+            token_file.write_text(token)
+            log.info("tcp token written to %s", token_file)
+        if args.tcp_host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("tcp listener on %s is reachable beyond this machine", args.tcp_host)
+    options = ServeOptions(
+        socket_path=Path(args.socket) if args.socket else paths.socket_path(),
+        tcp_host=args.tcp_host, tcp_port=args.tcp_port, token=token,
+        idle_timeout_s=args.idle_timeout, max_prompt_tokens=args.max_prompt_tokens,
+    )
+    try:
+        asyncio.run(EngineServer(engine, model_dir, options).serve())
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        print(f"wd-engine: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wd-engine", description="The wd-lsp inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
+
+    serve = commands.add_parser("serve", help="run the resident engine daemon")
+    serve.add_argument("--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)")
+    serve.add_argument("--socket", help="Unix socket path (default: under $XDG_RUNTIME_DIR/wd-lsp)")
+    serve.add_argument("--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token")
+    serve.add_argument("--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)")
+    serve.add_argument("--token-file", help="file holding the TCP token (default: $WD_ENGINE_TOKEN or a new one)")
+    serve.add_argument("--idle-timeout", type=float, default=900.0, help="exit after this many seconds without clients")
+    serve.add_argument("--kv-memory-mb", type=int, default=256, help="KV block pool size")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
+    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per scheduler step")
+    serve.add_argument("--max-prompt-tokens", type=int, default=4096)
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--log-file", help="log here (default: $XDG_STATE_HOME/wd-lsp/engine.log)")
+    serve.add_argument("--foreground", action="store_true", help="also log to stderr")
+    serve.set_defaults(run=_serve)
     return parser
 
 

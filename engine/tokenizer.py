@@ -77,12 +77,13 @@ class StreamDecoder:
         return ""
 
     def flush(self) -> str:
-        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        """Whatever is held back at the end. A character cut off by the end of generation is
+        dropped rather than shown as U+FFFD."""
         decode = self.tokenizer.decode
         emitted = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(emitted) :]
+        return full[len(emitted) :].rstrip(REPLACEMENT_CHAR)
 
 
 def _eos_from_json(path: Path, key: str) -> list[int]:
