@@ -1,0 +1,73 @@
+// Maps the extension's `wdLsp.*` settings to the server's configuration object.
+// Kept free of the `vscode` module so that it can be unit-tested under plain Node.
+
+/** The server's configuration, sent as `initializationOptions` and in didChangeConfiguration. */
+export interface ServerSettings {
+  enabled: boolean;
+  model: string | null;
+  engine: { socket: string | null; tcp: string | null; token: string | null };
+  debounceMs: number;
+  maxTokens: number;
+  multiline: 'auto' | 'single' | 'multi';
+  enabledLanguages: string[];
+  temperature: number;
+}
+
+/** How to start the server process; client-side only, never sent to the server. */
+export interface LaunchSettings {
+  command: string;
+  args: string[];
+  env: Record<string, string>;
+}
+
+/** Reads one setting below `wdLsp.` (e.g. `engine.tcp`); undefined when unset. */
+export type Getter = (key: string) => unknown;
+
+// Empty strings from the settings UI mean "not set": the server then uses its own default.
+function optString(value: unknown): string | null {
+  return typeof value === 'string' && value.trim() !== '' ? value.trim() : null;
+}
+
+function num(value: unknown, fallback: number, min: number): number {
+  return typeof value === 'number' && Number.isFinite(value) ? Math.max(min, value) : fallback;
+}
+
+export function serverSettings(get: Getter): ServerSettings {
+  const multiline = get('multiline');
+  const languages = get('enabledLanguages');
+  return {
+    enabled: get('enabled') !== false,
+    model: optString(get('model')),
+    engine: {
+      socket: optString(get('engine.socket')),
+      tcp: optString(get('engine.tcp')),
+      token: optString(get('engine.token')),
+    },
+    debounceMs: Math.round(num(get('debounceMs'), 60, 0)),
+    maxTokens: Math.round(num(get('maxTokens'), 64, 1)),
+    multiline: multiline === 'single' || multiline === 'multi' ? multiline : 'auto',
+    enabledLanguages:
+      Array.isArray(languages) && languages.length > 0
+        ? languages.filter((l): l is string => typeof l === 'string')
+        : ['*'],
+    temperature: num(get('temperature'), 0, 0),
+  };
+}
+
+export function launchSettings(get: Getter): LaunchSettings {
+  const args = get('server.args');
+  const env = get('server.env');
+  return {
+    command: optString(get('server.path')) ?? 'wd-lsp',
+    args: Array.isArray(args) ? args.map(String) : [],
+    env:
+      env && typeof env === 'object'
+        ? Object.fromEntries(Object.entries(env as Record<string, unknown>).map(([k, v]) => [k, String(v)]))
+        : {},
+  };
+}
+
+/** The didChangeConfiguration payload the server expects. */
+export function configurationPayload(settings: ServerSettings): { settings: { wdLsp: ServerSettings } } {
+  return { settings: { wdLsp: settings } };
+}

@@ -1,0 +1,64 @@
+// Unit tests for the settings -> server configuration mapping (compiled by `npm test`).
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { serverSettings, launchSettings, configurationPayload } = require('../out/config.js');
+
+const from = (values) => (key) => values[key];
+
+test('defaults match the server defaults', () => {
+  assert.deepEqual(serverSettings(from({})), {
+    enabled: true,
+    model: null,
+    engine: { socket: null, tcp: null, token: null },
+    debounceMs: 60,
+    maxTokens: 64,
+    multiline: 'auto',
+    enabledLanguages: ['*'],
+    temperature: 0,
+  });
+});
+
+test('settings map to server keys, empty strings mean unset', () => {
+  const s = serverSettings(
+    from({
+      enabled: false,
+      model: ' /models/coder ',
+      'engine.socket': '',
+      'engine.tcp': '10.0.0.2:7000',
+      'engine.token': 'secret',
+      debounceMs: 12.6,
+      maxTokens: 0,
+      multiline: 'single',
+      enabledLanguages: ['python', 'lua'],
+      temperature: 0.2,
+    }),
+  );
+  assert.equal(s.enabled, false);
+  assert.equal(s.model, '/models/coder');
+  assert.deepEqual(s.engine, { socket: null, tcp: '10.0.0.2:7000', token: 'secret' });
+  assert.equal(s.debounceMs, 13);
+  assert.equal(s.maxTokens, 1);
+  assert.equal(s.multiline, 'single');
+  assert.deepEqual(s.enabledLanguages, ['python', 'lua']);
+  assert.equal(s.temperature, 0.2);
+});
+
+test('bad values fall back to defaults', () => {
+  const s = serverSettings(from({ multiline: 'sometimes', enabledLanguages: [], debounceMs: 'x' }));
+  assert.equal(s.multiline, 'auto');
+  assert.deepEqual(s.enabledLanguages, ['*']);
+  assert.equal(s.debounceMs, 60);
+});
+
+test('didChangeConfiguration payload is {settings: {wdLsp: ...}}', () => {
+  const s = serverSettings(from({}));
+  assert.deepEqual(configurationPayload(s), { settings: { wdLsp: s } });
+});
+
+test('launch settings default to wd-lsp on PATH', () => {
+  assert.deepEqual(launchSettings(from({})), { command: 'wd-lsp', args: [], env: {} });
+  assert.deepEqual(
+    launchSettings(from({ 'server.path': '/opt/bin/wd-lsp', 'server.args': ['--log', 'x'], 'server.env': { WD_LSP_MODEL: '/m' } })),
+    { command: '/opt/bin/wd-lsp', args: ['--log', 'x'], env: { WD_LSP_MODEL: '/m' } },
+  );
+});
