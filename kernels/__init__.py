@@ -24,6 +24,7 @@ from kernels import dispatch
 # exported name -> (module, name there); loaded on first attribute access (PEP 562).
 _TRITON_EXPORTS = {
     "warp_decode_moe": ("kernels.warp_decode", "warp_decode_moe"),
+    "warp_decode_batched_moe": ("kernels.warp_decode_batched", "warp_decode_batched_moe"),
     "expert_centric_moe": ("kernels.fused_moe", "fused_moe"),
     "softmax_topk": ("kernels.router", "softmax_topk"),
 }
@@ -42,6 +43,7 @@ __all__ = [
     "dispatch",
     "expert_centric_moe",
     "softmax_topk",
+    "warp_decode_batched_moe",
     "warp_decode_moe",
     "apply_rope",
     "attention",

@@ -1,7 +1,7 @@
 """The engine's entry points for a MoE layer: pick the path, run it.
 
-CUDA tensors go to Triton: warp decode (output-centric) or the expert-centric fused MoE,
-whichever the crossover table in `kernels/configs/crossover.json` measured faster at this
+CUDA tensors go to Triton: warp decode (output-centric), its batched variant (every token in
+each program, so a weight row is read once per batch) or the expert-centric fused MoE, whichever the crossover table in `kernels/configs/crossover.json` measured faster at this
 (tokens, k, E); CPU tensors go to the torch references. The table is written by
 `python -m kernels.bench_moe --tune` on the GPU.
 """
@@ -13,7 +13,9 @@ import torch
 from kernels import reference, tuned
 
 WARP_DECODE = "warp_decode"
+WARP_DECODE_BATCHED = "warp_decode_batched"  # output-centric, every token in each program
 EXPERT_CENTRIC = "expert_centric"
+BATCHED_MAX_TOKENS = 64  # kernels.warp_decode_batched.MAX_TOKENS (kept here: no Triton import)
 
 # Without a measurement for this (E, k): warp decode while the routed slots (tokens * k) are at
 # most this many times E. Its weight traffic grows with the slots, the expert-centric path's
@@ -29,7 +31,10 @@ def choose_path(tokens: int, top_k: int, experts: int) -> str:
     """WARP_DECODE or EXPERT_CENTRIC for a CUDA MoE layer of this size."""
     entry = _table().get(f"E{experts}_k{top_k}")
     if entry is not None and entry.get("winners"):
-        return tuned.nearest(entry["winners"], tokens)
+        path = tuned.nearest(entry["winners"], tokens)
+        if path == WARP_DECODE_BATCHED and tokens > BATCHED_MAX_TOKENS:
+            return EXPERT_CENTRIC
+        return path
     ratio = DEFAULT_SLOTS_PER_EXPERT
     measured = [e for e in _table().values() if "slots_per_expert" in e]
     if measured:  # the nearest measured E decides the ratio
@@ -67,6 +72,10 @@ def run_path(path: str, x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.T
         from kernels.warp_decode import warp_decode_moe
 
         return warp_decode_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    if path == WARP_DECODE_BATCHED:
+        from kernels.warp_decode_batched import warp_decode_batched_moe
+
+        return warp_decode_batched_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
     if path == EXPERT_CENTRIC:
         from kernels.fused_moe import fused_moe
 

@@ -14,6 +14,7 @@ from kernels.fused_moe import fused_moe
 from kernels.moe_align import align_by_expert
 from kernels.router import route as triton_route
 from kernels.warp_decode import warp_decode_moe
+from kernels.warp_decode_batched import warp_decode_batched_moe
 
 # Small tiles so the K loops run several steps and the masks see ragged tails.
 WARP_SMALL = {
@@ -77,6 +78,19 @@ def check_moe(y, x, w_gate_up, w_down, ids, weights, oracle):
 def test_warp_decode_matches_reference(shape):
     layer = make_layer(*shape, seed=hash(shape) % 1000)
     y = warp_decode_moe(*layer, config=WARP_SMALL)
+    check_moe(y, *layer, reference.moe_output_centric)
+
+
+BATCHED_SMALL = {
+    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_H": 16, "BLOCK_I": 16, "num_warps": 4, "num_stages": 2},
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(20, 64, 48, 8, 2)])
+def test_batched_warp_decode_matches_reference(shape):
+    layer = make_layer(*shape, seed=hash(shape) % 1000 + 2)
+    y = warp_decode_batched_moe(*layer, config=BATCHED_SMALL)
     check_moe(y, *layer, reference.moe_output_centric)
 
 
@@ -149,17 +163,20 @@ def test_dispatch_cpu_uses_references():
 
 def test_dispatch_triton_paths_match_reference():
     layer = make_layer(3, 64, 48, 8, 2, seed=5)
-    for path in (dispatch.WARP_DECODE, dispatch.EXPERT_CENTRIC):
+    for path in (dispatch.WARP_DECODE, dispatch.WARP_DECODE_BATCHED, dispatch.EXPERT_CENTRIC):
         check_moe(dispatch.run_path(path, *layer), *layer, reference.moe_float64)
 
 
 def test_choose_path_follows_crossover_table(monkeypatch):
     table = {"E128_k8": {"experts": 128, "slots_per_expert": 0.5,
-                         "winners": {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric"}}}
+                         "winners": {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric",
+                                     "64": "warp_decode_batched"}}}
     monkeypatch.setattr(dispatch, "_table", lambda: table)
     assert dispatch.choose_path(1, 8, 128) == dispatch.WARP_DECODE
     assert dispatch.choose_path(9, 8, 128) == dispatch.WARP_DECODE
-    assert dispatch.choose_path(64, 8, 128) == dispatch.EXPERT_CENTRIC
+    assert dispatch.choose_path(20, 8, 128) == dispatch.EXPERT_CENTRIC
+    assert dispatch.choose_path(64, 8, 128) == dispatch.WARP_DECODE_BATCHED
+    assert dispatch.choose_path(65, 8, 128) == dispatch.EXPERT_CENTRIC  # past the token tile
     # Unmeasured (E, k): the slots-per-expert rule of the nearest measured E.
     assert dispatch.choose_path(4, 8, 256) == dispatch.WARP_DECODE
     assert dispatch.choose_path(64, 8, 256) == dispatch.EXPERT_CENTRIC
