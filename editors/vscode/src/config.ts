@@ -1,11 +1,15 @@
 // Maps the extension's `wdLsp.*` settings to the server's configuration object.
 // Kept free of the `vscode` module so that it can be unit-tested under plain Node.
 
-/** The server's configuration, sent as `initializationOptions` and in didChangeConfiguration. */
+/**
+ * The server's configuration, sent as `initializationOptions` and in didChangeConfiguration.
+ * Unset optional keys are left out rather than sent as null: the server then keeps its own
+ * default (e.g. $WD_LSP_MODEL for the model).
+ */
 export interface ServerSettings {
   enabled: boolean;
-  model: string | null;
-  engine: { socket: string | null; tcp: string | null; token: string | null };
+  model?: string;
+  engine?: { socket?: string; tcp?: string; token?: string };
   debounceMs: number;
   maxTokens: number;
   multiline: 'auto' | 'single' | 'multi';
@@ -35,14 +39,16 @@ function num(value: unknown, fallback: number, min: number): number {
 export function serverSettings(get: Getter): ServerSettings {
   const multiline = get('multiline');
   const languages = get('enabledLanguages');
+  const engine: NonNullable<ServerSettings['engine']> = {};
+  for (const key of ['socket', 'tcp', 'token'] as const) {
+    const value = optString(get(`engine.${key}`));
+    if (value !== null) engine[key] = value;
+  }
+  const model = optString(get('model'));
   return {
     enabled: get('enabled') !== false,
-    model: optString(get('model')),
-    engine: {
-      socket: optString(get('engine.socket')),
-      tcp: optString(get('engine.tcp')),
-      token: optString(get('engine.token')),
-    },
+    ...(model !== null ? { model } : {}),
+    ...(Object.keys(engine).length > 0 ? { engine } : {}),
     debounceMs: Math.round(num(get('debounceMs'), 60, 0)),
     maxTokens: Math.round(num(get('maxTokens'), 64, 1)),
     multiline: multiline === 'single' || multiline === 'multi' ? multiline : 'auto',
@@ -70,4 +76,14 @@ export function launchSettings(get: Getter): LaunchSettings {
 /** The didChangeConfiguration payload the server expects. */
 export function configurationPayload(settings: ServerSettings): { settings: { wdLsp: ServerSettings } } {
   return { settings: { wdLsp: settings } };
+}
+
+/**
+ * True when a key that was sent before is now unset. The server merges settings, so it would keep
+ * the old value: only a fresh server process goes back to its default.
+ */
+export function needsRestart(previous: ServerSettings, next: ServerSettings): boolean {
+  const dropped = (a: object | undefined, b: object | undefined) =>
+    Object.keys(a ?? {}).some((k) => !(k in (b ?? {})));
+  return dropped(previous, next) || dropped(previous.engine, next.engine);
 }

@@ -10,7 +10,7 @@ import {
   State,
   TransportKind,
 } from 'vscode-languageclient/node';
-import { configurationPayload, launchSettings, serverSettings } from './config';
+import { configurationPayload, launchSettings, needsRestart, ServerSettings, serverSettings } from './config';
 import { StatusParams, statusView } from './status';
 
 const SECTION = 'wdLsp';
@@ -28,6 +28,8 @@ const CMD = {
 let client: LanguageClient | undefined;
 let output: vscode.LogOutputChannel;
 let statusItem: vscode.StatusBarItem;
+// What the running server was last told, to spot settings that were removed.
+let sent: ServerSettings | undefined;
 
 function getter(): (key: string) => unknown {
   const config = vscode.workspace.getConfiguration(SECTION);
@@ -50,13 +52,19 @@ function createClient(): LanguageClient {
     transport: TransportKind.stdio,
     options: { env: { ...process.env, ...launch.env } },
   };
+  sent = serverSettings(getter());
   const clientOptions: LanguageClientOptions = {
     // Every file: the server filters by `enabledLanguages` itself, so changing that setting
     // needs no restart.
     documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
-    initializationOptions: serverSettings(getter()),
+    initializationOptions: sent,
     outputChannel: output,
     traceOutputChannel: output,
+    middleware: {
+      // The server's textDocument/completion is for clients without inline completion; here it
+      // would only repeat the ghost text in the suggest widget.
+      provideCompletionItem: () => undefined,
+    },
   };
   const c = new LanguageClient('wdLsp', 'wd-lsp', serverOptions, clientOptions);
   c.onNotification('wdLsp/status', (params: StatusParams) => showStatus(params));
@@ -106,15 +114,16 @@ async function executeServerCommand(command: string): Promise<unknown> {
 
 async function onConfigurationChanged(e: vscode.ConfigurationChangeEvent): Promise<void> {
   if (!e.affectsConfiguration(SECTION)) return;
-  if (e.affectsConfiguration(`${SECTION}.server`)) {
-    // A new command, arguments or environment means a new process.
+  const settings = serverSettings(getter());
+  // A new command, arguments or environment means a new process; so does an unset key.
+  if (e.affectsConfiguration(`${SECTION}.server`) || (sent && needsRestart(sent, settings))) {
     await stopClient();
     await startClient();
     return;
   }
-  const settings = serverSettings(getter());
   if (!settings.enabled) showStatus({ state: 'disabled', message: 'completions are off' });
   if (client?.state === State.Running) {
+    sent = settings;
     await client.sendNotification('workspace/didChangeConfiguration', configurationPayload(settings));
   }
 }

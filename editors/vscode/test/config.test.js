@@ -1,15 +1,13 @@
 // Unit tests for the settings -> server configuration mapping (compiled by `npm test`).
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { serverSettings, launchSettings, configurationPayload } = require('../out/config.js');
+const { serverSettings, launchSettings, configurationPayload, needsRestart } = require('../out/config.js');
 
 const from = (values) => (key) => values[key];
 
 test('defaults match the server defaults', () => {
   assert.deepEqual(serverSettings(from({})), {
     enabled: true,
-    model: null,
-    engine: { socket: null, tcp: null, token: null },
     debounceMs: 60,
     maxTokens: 64,
     multiline: 'auto',
@@ -35,7 +33,7 @@ test('settings map to server keys, empty strings mean unset', () => {
   );
   assert.equal(s.enabled, false);
   assert.equal(s.model, '/models/coder');
-  assert.deepEqual(s.engine, { socket: null, tcp: '10.0.0.2:7000', token: 'secret' });
+  assert.deepEqual(s.engine, { tcp: '10.0.0.2:7000', token: 'secret' });
   assert.equal(s.debounceMs, 13);
   assert.equal(s.maxTokens, 1);
   assert.equal(s.multiline, 'single');
@@ -61,4 +59,14 @@ test('launch settings default to wd-lsp on PATH', () => {
     launchSettings(from({ 'server.path': '/opt/bin/wd-lsp', 'server.args': ['--log', 'x'], 'server.env': { WD_LSP_MODEL: '/m' } })),
     { command: '/opt/bin/wd-lsp', args: ['--log', 'x'], env: { WD_LSP_MODEL: '/m' } },
   );
+});
+
+test('unset keys are left out, and removing one asks for a restart', () => {
+  const withModel = serverSettings(from({ model: '/m', 'engine.socket': '/s' }));
+  const without = serverSettings(from({ 'engine.socket': '/s' }));
+  assert.ok(!('model' in without) && !('engine' in serverSettings(from({}))));
+  assert.equal(needsRestart(withModel, without), true);
+  assert.equal(needsRestart(without, withModel), false);
+  assert.equal(needsRestart(withModel, serverSettings(from({ model: '/m' }))), true);
+  assert.equal(needsRestart(withModel, serverSettings(from({ model: '/m', 'engine.socket': '/s', maxTokens: 9 }))), false);
 });
