@@ -193,24 +193,25 @@ end
 
 local function set_keymaps()
   local keys = config.options.keymaps or {}
-  local function map(lhs, fn, desc, fallback)
+  local function map(lhs, fn, desc)
     if not lhs then
       return
     end
     vim.keymap.set('i', lhs, function()
       if not M.visible() then
-        return fallback and api.nvim_replace_termcodes(lhs, true, false, true) or ''
+        -- No suggestion: the key does what it would do without the plugin.
+        return api.nvim_replace_termcodes(lhs, true, false, true)
       end
       -- Buffer edits are not allowed while an <expr> mapping is evaluated.
       vim.schedule(fn)
       return ''
     end, { expr = true, silent = true, desc = 'wd-lsp: ' .. desc })
   end
-  map(keys.accept, M.accept, 'accept the suggestion', true)
-  map(keys.accept_line, M.accept_line, 'accept a line of the suggestion', true)
-  map(keys.next, M.next, 'next suggestion', false)
-  map(keys.prev, M.prev, 'previous suggestion', false)
-  map(keys.dismiss, M.dismiss, 'dismiss the suggestion', true)
+  map(keys.accept, M.accept, 'accept the suggestion')
+  map(keys.accept_line, M.accept_line, 'accept a line of the suggestion')
+  map(keys.next, M.next, 'next suggestion')
+  map(keys.prev, M.prev, 'previous suggestion')
+  map(keys.dismiss, M.dismiss, 'dismiss the suggestion')
 end
 
 local SUBCOMMANDS = {
@@ -244,6 +245,10 @@ local function create_command()
 end
 
 function M.setup(opts)
+  if vim.fn.has('nvim-0.10') == 0 then
+    vim.notify('wd-lsp needs Neovim 0.10 or newer', vim.log.levels.ERROR)
+    return
+  end
   config.set(opts)
   api.nvim_set_hl(0, 'WdLspGhostText', { link = 'Comment', default = true })
   local group = api.nvim_create_augroup('wd_lsp', { clear = true })
