@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token")
     serve.add_argument("--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)")
     serve.add_argument("--token-file", help="file holding the TCP token (default: $WD_ENGINE_TOKEN or a new one)")
-    serve.add_argument("--idle-timeout", type=float, default=900.0, help="exit after this many seconds without clients")
+    serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("WD_ENGINE_IDLE_TIMEOUT", 900)),
+                       help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT)")
     serve.add_argument("--kv-memory-mb", type=int, default=256, help="KV block pool size")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")

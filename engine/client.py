@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,10 @@ class CompletionStream:
         raise StopAsyncIteration
 
     async def cancel(self) -> None:
+        """Stop the engine's work on this completion; later frames for it are dropped."""
+        if self.result is not None:
+            return
+        self.client._pending.pop(self.id, None)
         try:
             await self.client.request("cancel", {"id": self.id})
         except (EngineUnavailable, EngineError):
@@ -103,33 +108,53 @@ class EngineClient:
         return self._writer is not None and not self._writer.is_closing()
 
     # -- connection -----------------------------------------------------------------------------
-    async def connect(self) -> dict:
+    async def connect(self, attempts: int = 3) -> dict:
+        """Connect and greet; a daemon that was just killed can still accept for a moment and
+        then drop the connection, so a failed attempt is retried (respawning if allowed)."""
         async with self._connect_lock:
-            if self.connected:
-                return self.server_info
-            if self.tcp is None:
-                path = self.socket_path or paths.socket_path()
-                if not _listening(path) and self.spawn is not None:
-                    await asyncio.to_thread(spawn_daemon, path, self.spawn, self.on_progress)
+            for attempt in range(attempts):
+                if self.connected:
+                    return self.server_info
                 try:
-                    self._reader, self._writer = await asyncio.open_unix_connection(str(path), limit=P.MAX_FRAME_BYTES)
-                except OSError as exc:
-                    raise EngineUnavailable(f"no engine at {path}: {exc}") from exc
-            else:
-                try:
-                    self._reader, self._writer = await asyncio.open_connection(*self.tcp, limit=P.MAX_FRAME_BYTES)
-                except OSError as exc:
-                    raise EngineUnavailable(f"no engine at {self.tcp[0]}:{self.tcp[1]}: {exc}") from exc
-            self._reader_task = asyncio.ensure_future(self._read_loop(self._reader))
-            hello = {"version": P.PROTOCOL_VERSION}
-            if self.token:
-                hello["token"] = self.token
+                    return await self._connect_once()
+                except EngineUnavailable:
+                    if attempt == attempts - 1:
+                        raise
+                    await asyncio.sleep(0.2 * (attempt + 1))
+
+    async def _connect_once(self) -> dict:
+        if self.tcp is None:
+            path = self.socket_path or paths.socket_path()
+            if not _listening(path) and self.spawn is not None:
+                await _in_daemon_thread(spawn_daemon, path, self.spawn, self.on_progress)
             try:
-                self.server_info = await self._call("hello", hello)
-            except BaseException:
-                await self._drop_connection()
-                raise
-            return self.server_info
+                self._reader, self._writer = await asyncio.open_unix_connection(str(path), limit=P.MAX_FRAME_BYTES)
+            except OSError as exc:
+                raise EngineUnavailable(f"no engine at {path}: {exc}") from exc
+        else:
+            try:
+                self._reader, self._writer = await asyncio.open_connection(*self.tcp, limit=P.MAX_FRAME_BYTES)
+            except OSError as exc:
+                raise EngineUnavailable(f"no engine at {self.tcp[0]}:{self.tcp[1]}: {exc}") from exc
+        self._reader_task = asyncio.ensure_future(self._read_loop(self._reader))
+        hello = {"version": P.PROTOCOL_VERSION}
+        if self.token:
+            hello["token"] = self.token
+        try:
+            self.server_info = await self._call("hello", hello)
+        except BaseException:
+            await self._drop_connection()
+            raise
+        return self.server_info
+
+    def disconnect(self) -> None:
+        """Close without waiting (e.g. while the process is exiting)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        self._fail_pending(EngineUnavailable("disconnected"))
 
     async def close(self) -> None:
         writer = self._writer
@@ -208,6 +233,32 @@ class EngineClient:
 
     async def warm(self, params: dict) -> dict:
         return await self.request("warm", params)
+
+
+async def _in_daemon_thread(fn, *args):
+    """Run a blocking call in a daemon thread: unlike asyncio.to_thread, a process exiting
+    meanwhile (an editor closing while the engine loads) does not wait for it."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(setter, value):
+        if not done.done():
+            setter(value)
+
+    def work():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            callback = (settle, done.set_exception, exc)
+        else:
+            callback = (settle, done.set_result, result)
+        try:
+            loop.call_soon_threadsafe(*callback)
+        except RuntimeError:
+            pass  # the loop is gone: nobody is waiting any more
+
+    threading.Thread(target=work, name="wd-engine-spawn", daemon=True).start()
+    return await done
 
 
 def _listening(path: Path) -> bool:

@@ -1,0 +1,36 @@
+"""`wd-lsp`: the language server over stdio (or TCP, for debugging)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wd-lsp", description="wd-lsp code-completion language server")
+    parser.add_argument("--stdio", action="store_true", help="serve over stdio (the default)")
+    parser.add_argument("--tcp", metavar="HOST:PORT", help="serve over TCP instead, for debugging")
+    parser.add_argument("--log-file", help="also write the server's log here")
+    parser.add_argument("--version", action="store_true")
+    args = parser.parse_args(argv)
+    from wd_lsp import __version__
+
+    if args.version:
+        print(f"wd-lsp {__version__}")
+        return 0
+    handlers = [logging.FileHandler(args.log_file)] if args.log_file else [logging.StreamHandler(sys.stderr)]
+    logging.basicConfig(level=logging.INFO, handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message at INFO
+    from wd_lsp.server import server  # after logging is set up
+
+    if args.tcp:
+        host, _, port = args.tcp.rpartition(":")
+        server.start_tcp(host or "127.0.0.1", int(port))
+    else:
+        server.start_io()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Server settings: defaults, overridden by `initializationOptions` and then by
+`workspace/didChangeConfiguration` ({"settings": {"wdLsp": {...}}}). Unknown keys are ignored and
+bad values keep the previous setting, each with a logged warning: a typo in an editor's settings
+must never stop completions."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+MODEL_ENV_VAR = "WD_LSP_MODEL"
+MULTILINE_POLICIES = ("auto", "single", "multi")
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    socket: str | None = None  # Unix socket of a running engine (default: the per-user one)
+    tcp: str | None = None  # "host:port" of a shared engine
+    token: str | None = None  # required with tcp
+    auto_start: bool = True  # spawn the daemon when no engine listens
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    model: str | None = field(default_factory=lambda: os.environ.get(MODEL_ENV_VAR) or None)
+    engine: EngineAddress = EngineAddress()
+    debounce_ms: int = 60
+    max_tokens: int = 64
+    multiline: str = "auto"
+    max_lines: int = 16
+    enabled_languages: tuple[str, ...] = ("*",)
+    temperature: float = 0.0
+    warm_on_change: bool = True
+    request_timeout_ms: int = 10_000
+
+    def language_enabled(self, language_id: str) -> bool:
+        return "*" in self.enabled_languages or language_id in self.enabled_languages
+
+
+# camelCase key -> (field, check)
+_FIELDS = {
+    "enabled": ("enabled", lambda v: isinstance(v, bool)),
+    "model": ("model", lambda v: v is None or isinstance(v, str)),
+    "debounceMs": ("debounce_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 5000),
+    "maxTokens": ("max_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024),
+    "multiline": ("multiline", lambda v: v in MULTILINE_POLICIES),
+    "maxLines": ("max_lines", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 200),
+    "enabledLanguages": ("enabled_languages", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "temperature": ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
+    "warmOnChange": ("warm_on_change", lambda v: isinstance(v, bool)),
+    "requestTimeoutMs": ("request_timeout_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+}
+_ENGINE_FIELDS = {
+    "socket": ("socket", lambda v: v is None or isinstance(v, str)),
+    "tcp": ("tcp", lambda v: v is None or (isinstance(v, str) and v.rpartition(":")[2].isdigit())),
+    "token": ("token", lambda v: v is None or isinstance(v, str)),
+    "autoStart": ("auto_start", lambda v: isinstance(v, bool)),
+}
+
+
+def merge_settings(current: Settings, raw, warn=lambda message: None) -> Settings:
+    """`raw` is the client's map (either the `wdLsp` section itself or a map holding it)."""
+    if not isinstance(raw, dict):
+        if raw is not None:
+            warn(f"ignoring settings that are not a map: {raw!r}")
+        return current
+    if isinstance(raw.get("wdLsp"), dict):
+        raw = raw["wdLsp"]
+    changes = {}
+    for key, value in raw.items():
+        if key == "engine":
+            if isinstance(value, dict):
+                changes["engine"] = _merge(current.engine, value, _ENGINE_FIELDS, warn, "engine.")
+            else:
+                warn("ignoring setting 'engine': expected a map")
+        elif key in _FIELDS:
+            name, ok = _FIELDS[key]
+            if ok(value):
+                changes[name] = tuple(value) if isinstance(value, list) else value
+            else:
+                warn(f"ignoring setting {key!r}: bad value {value!r}")
+        else:
+            warn(f"ignoring unknown setting {key!r}")
+    return replace(current, **changes)
+
+
+def _merge(current, raw: dict, fields: dict, warn, prefix: str):
+    changes = {}
+    for key, value in raw.items():
+        if key not in fields:
+            warn(f"ignoring unknown setting {prefix}{key!r}")
+            continue
+        name, ok = fields[key]
+        if ok(value):
+            changes[name] = value
+        else:
+            warn(f"ignoring setting {prefix}{key}: bad value {value!r}")
+    return replace(current, **changes)
