@@ -92,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
                     kv_memory_bytes=args.kv_memory_mb << 20, prefill_chunk=args.prefill_chunk,
-                    salt=f"{model_dir.resolve()}:{model.dtype}")
+                    salt=f"{model_dir.resolve()}:{model.dtype}", prefix_cache=not args.no_prefix_cache)
     token = None
     if args.tcp_port is not None:
         token = os.environ.get("WD_ENGINE_TOKEN") or (Path(args.token_file).read_text().strip() if args.token_file else None)
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-memory-mb", type=int, default=256, help="KV block pool size")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
     serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per scheduler step")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")

@@ -99,6 +99,7 @@ class Engine:
         prefill_chunk: int = 512,
         max_batch: int = 32,
         salt: str = "",
+        prefix_cache: bool = True,
     ):
         cfg = model.config
         self.model = model
@@ -113,6 +114,7 @@ class Engine:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, kv_fp8
         )
         self.allocator = BlockAllocator(num_blocks, block_size, salt=salt)
+        self.prefix_cache = prefix_cache  # off: every prompt is computed cold (for comparisons)
         self._lock = threading.Condition()
         self._inbox: list[_Active] = []
         self._cancels: list[tuple[str, str]] = []
@@ -146,6 +148,7 @@ class Engine:
             evictions=a.evictions,
             block_size=self.block_size,
             kv_bytes_per_token=self.pool.bytes_per_token(),
+            prefix_cache=self.prefix_cache,
             kv_format="fp8_e4m3" if self.pool.fp8 else str(self.model.dtype).removeprefix("torch."),
             waiting=len(self.waiting),
             running=len(self.running),
@@ -257,7 +260,7 @@ class Engine:
                 f"request needs {needed} KV blocks ({total} tokens) but the pool has {self.allocator.num_blocks}"
             )
         # Keep at least the last prompt token to compute: its logits give the first new token.
-        shared = self.allocator.match_prefix(prompt, max_tokens=len(prompt) - 1)
+        shared = self.allocator.match_prefix(prompt, max_tokens=len(prompt) - 1) if self.prefix_cache else []
         fresh = needed - len(shared)
         if fresh > self.allocator.available() and not req.warm_only:
             self._preempt_warms(fresh)
@@ -301,7 +304,8 @@ class Engine:
         a.prefill_s += time.monotonic() - t0
         if end < len(prompt):
             return
-        self.allocator.register(a.table.blocks, prompt)  # shareable from now on
+        if self.prefix_cache:
+            self.allocator.register(a.table.blocks, prompt)  # shareable from now on
         if a.request.warm_only:
             self._finish(a, "warmed")
             return
@@ -365,7 +369,8 @@ class Engine:
             self.running.remove(a)
         if a.table is not None:
             # Whatever was computed stays reusable: a superseded warm-up still warms.
-            self.allocator.register(a.table.blocks, a.tokens[: a.computed])
+            if self.prefix_cache:
+                self.allocator.register(a.table.blocks, a.tokens[: a.computed])
             a.table.free()
             a.table = None
 

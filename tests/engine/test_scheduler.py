@@ -218,3 +218,13 @@ def test_engine_thread_serves_requests(tiny):
     engine.stop()
     thread.join(5)
     assert events[-1].kind == "done" and events[-1].usage["completion_tokens"] == 8
+
+
+def test_prefix_cache_can_be_switched_off(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8, prefix_cache=False)
+    prompt = tok.encode(CODE)
+    run(engine, Request(prompt, warm_only=True))
+    _, done = run(engine, Request(prompt, max_tokens=1))
+    assert done.usage["cached_tokens"] == 0 and engine.stats()["prefix_cache"] is False
+    assert engine.stats()["blocks_evictable"] == 0 and engine.stats()["blocks_used"] == 0
