@@ -50,6 +50,15 @@ def first_token_ms(engine: Engine, prompt_ids: list[int]) -> float:
     return events[-1].usage["first_token_ms"]
 
 
+def decode_rate(engine: Engine, prompt_ids: list[int], n: int) -> float:
+    """Batch-1 decode tokens/s after the (cached) prompt: (n - 1) steps over their time."""
+    events = []
+    engine.submit(Request(prompt_ids, max_tokens=n, stop_at_eos=False), events.append)
+    engine.run_until_idle()
+    usage = events[-1].usage
+    return (n - 1) / ((usage["total_ms"] - usage["first_token_ms"]) / 1000)
+
+
 def prompt_pair(tokenizer, text: str, n_tokens: int) -> tuple[list[int], list[int]]:
     """SPM prompts before and after typing one character at the cursor, about n_tokens long."""
     ids = tokenizer.encode(text[: n_tokens * 6])
@@ -65,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="model folder (default: the embedded model)")
     ap.add_argument("--random", action="store_true",
                     help="random weights of the model's shape with a 16K context (for prompts past its own)")
+    ap.add_argument("--shape", choices=("qwen3-30b-a3b",),
+                    help="random weights of a named real shape (the default model's tokenizer feeds it)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="also time this many decode steps (warm)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
@@ -75,7 +87,13 @@ def main(argv=None) -> int:
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
-    if args.random:
+    if args.shape:
+        from engine.random_model import QWEN3_30B_A3B, random_model
+
+        dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        model = random_model(QWEN3_30B_A3B, dtype=dtype, device=args.device)
+        args.random = True
+    elif args.random:
         from engine.random_model import random_model
 
         cfg = json.loads((model_dir / "config.json").read_text())
@@ -85,9 +103,10 @@ def main(argv=None) -> int:
     else:
         model = load_model(model_dir, dtype=args.dtype, device=args.device)
     text = source_text(max(args.contexts) * 8)
-    print(f"model: {model_dir.name}{' (random weights)' if args.random else ''}, device {args.device}, "
+    name = args.shape or model_dir.name
+    print(f"model: {name}{' (random weights)' if args.random else ''}, device {args.device}, "
           f"{torch.get_num_threads()} threads, block {args.block_size}")
-    print(f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8}")
+    print(f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8} {'decode tok/s':>13}")
     results = []
     first_token_ms(Engine(model, tokenizer, num_blocks=64, block_size=args.block_size), tokenizer.encode(text[:2000]))
     for n in args.contexts:
@@ -106,11 +125,12 @@ def main(argv=None) -> int:
         row = dict(prompt_tokens=len(after), cold_ms=statistics.median(cold), warm_ms=statistics.median(warm),
                    new_tokens=len(after) - engine.stats()["cache_hit_tokens"])
         row["speedup"] = row["cold_ms"] / row["warm_ms"]
+        row["decode_tok_s"] = decode_rate(engine, after, args.decode_tokens) if args.decode_tokens else None
         results.append(row)
         print(f"{row['prompt_tokens']:>8} {row['cold_ms']:>10.1f} {row['warm_ms']:>10.1f} {row['speedup']:>8.1f}x "
-              f"{row['new_tokens']:>8}")
+              f"{row['new_tokens']:>8} {row['decode_tok_s'] or 0:>13.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=model_dir.name, random=args.random, device=args.device,
+        Path(args.json).write_text(json.dumps(dict(model=name, random=args.random, device=args.device,
                                                    results=results), indent=2))
     return 0
 

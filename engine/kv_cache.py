@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import reference as ref
+
 
 class KVCache:
     def __init__(self, num_layers, batch, num_kv_heads, head_dim, capacity, dtype, device):
@@ -45,3 +47,8 @@ class KVCache:
             self.keys[layer][:, : self.used].transpose(1, 2),
             self.values[layer][:, : self.used].transpose(1, 2),
         )
+
+    def attend(self, layer, positions, q, k, v, sliding_window=None):
+        """Store this step's K/V, then causal attention of q [B, Hq, T, D] over the cache."""
+        keys, values = self.write(layer, positions, k, v)
+        return ref.attention(q, keys, values, positions, sliding_window=sliding_window)

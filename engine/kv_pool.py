@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import reference as ref
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -89,6 +91,7 @@ class PagedBatch:
         offsets = torch.arange(bs, device=device)
         self.slot_map = (self.tables[:, :, None] * bs + offsets).reshape(len(block_tables), -1)  # [B, blocks*bs]
         self.kv_len = 0
+        self._tables_i32 = self._lengths = None  # built once per forward, shared by the layers
 
     def reserve(self, length: int) -> None:
         if length > self.slot_map.shape[1]:
@@ -100,7 +103,32 @@ class PagedBatch:
         self.pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
         return self.pool.read(layer, self.slot_map[:, : self.kv_len])
 
+    def attend(self, layer, positions, q, k, v, sliding_window=None):
+        """Store this step's K/V in the pool, then causal attention of q [B, Hq, T, D].
+
+        Decode steps on CUDA read the blocks in place (Triton paged attention); everything else
+        gathers each row's blocks and runs the torch reference."""
+        pool = self.pool
+        if q.is_cuda and q.shape[2] == 1 and sliding_window is None and _pow2(pool.block_size):
+            from kernels.paged_attention import paged_decode_attention
+
+            slots = self.slot_map.gather(1, positions)
+            pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
+            if self._tables_i32 is None:
+                self._tables_i32 = self.tables.to(torch.int32)
+                self._lengths = (positions[:, 0] + 1).to(torch.int32)
+            scales = (pool.key_scales[layer], pool.value_scales[layer]) if pool.fp8 else (None, None)
+            out = paged_decode_attention(q[:, :, 0], pool.keys[layer], pool.values[layer], self._tables_i32,
+                                         self._lengths, pool.block_size, *scales)
+            return out[:, :, None]
+        keys, values = self.write(layer, positions, k, v)
+        return ref.attention(q, keys, values, positions, sliding_window=sliding_window)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, T, D] -> [B*T, Hkv, D]"""
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

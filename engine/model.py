@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from kernels import dispatch
 from kernels import reference as ref
 
 MOE_PATHS = ("auto", "expert_centric", "output_centric")
@@ -99,15 +100,15 @@ class Qwen3MoeModel:
         q = ref.apply_rope(q.transpose(1, 2), cos, sin)
         k = ref.apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(batch, n_tokens, cfg.num_kv_heads, d).transpose(1, 2)
-        keys, values = cache.write(index, positions, k, v)
-        out = ref.attention(q, keys, values, positions, sliding_window=cfg.sliding_window)
+        out = cache.attend(index, positions, q, k, v, cfg.sliding_window)
         return F.linear(out.transpose(1, 2).reshape(batch, n_tokens, -1), layer.w_o, layer.b_o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         if layer.router is None:
             return ref.dense_mlp(x, layer.w_gate_up, layer.w_down)
         cfg = self.config
-        topk_ids, topk_weights = ref.route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        route = dispatch.route if x.is_cuda else ref.route  # fused Triton router on CUDA
+        topk_ids, topk_weights = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         return self._moe_fn(x.shape[0] * cfg.num_experts_per_tok, x.device)(
             x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights
         )
@@ -118,7 +119,5 @@ class Qwen3MoeModel:
         if self.moe_path == "output_centric":
             return ref.moe_output_centric
         if device.type == "cuda":
-            from kernels import dispatch  # Triton kernels, CUDA only
-
-            return dispatch.moe
+            return dispatch.moe  # Triton: warp decode or expert-centric, by a measured crossover
         return ref.moe_output_centric if pairs <= CPU_OUTPUT_CENTRIC_MAX_PAIRS else ref.moe_expert_centric
