@@ -57,3 +57,11 @@ def write_configs(out: Path, config: dict = CONFIG) -> None:
 
 def load_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write config.json and generation_config.json into a model folder.")
+    ap.add_argument("--out", type=Path, required=True)
+    write_configs(ap.parse_args().out)

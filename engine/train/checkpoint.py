@@ -1,0 +1,46 @@
+"""Checkpoints small enough to come back from the GPU machine: bf16 weights in shards of at most
+~12 MB (safetensors, HF parameter names), plus `state.json` (step, tokens seen, run history).
+
+Adam moments are not saved (fp32 moments would be ~180 MB): a resumed run restarts the optimizer
+with a short warm-up, which costs a few dozen steps, not quality.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SHARD_BYTES = 12_000_000
+
+
+def save(model: torch.nn.Module, state: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    shards, cur, size = [], {}, 0
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu", torch.bfloat16).contiguous()
+        if size + t.numel() * 2 > SHARD_BYTES and cur:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += t.numel() * 2
+    shards.append(cur)
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    for i, shard in enumerate(shards):
+        tmp = out / f"model-{i:02d}-of-{len(shards):02d}.safetensors.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        tmp.rename(out / tmp.name[:-4])
+    (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+
+
+def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(ckpt).glob("model-*.safetensors")):
+        weights.update(load_file(str(shard)))
+    return weights
+
+
+def load_state(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / "state.json").read_text())

@@ -1,0 +1,157 @@
+"""Evaluate a model folder on the held-out files: FIM completion and bits per byte.
+
+    python -m engine.train.eval --model engine/models/wd-coder-tiny [--files 200] [--json OUT]
+
+Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
+stop at end of middle), greedy, in PSM and SPM order; exact match and edit similarity. Bits per
+byte: left-to-right loss over the first --bpb-tokens tokens of each file. Runs through the
+project's engine; `--backend transformers` runs the same tasks through Hugging Face instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import heldout
+from .data import load_tokenizer, token_byte_lengths
+from .fim_tasks import make_tasks
+from .metrics import edit_similarity, exact_match
+
+MAX_NEW = {"single": 24, "multi": 96}
+STOPS = {"single": ["\n"], "multi": []}
+
+
+class EngineBackend:
+    def __init__(self, model_dir: Path):
+        from engine.fim import build_fim_prompt
+        from engine.generate import complete
+        from engine.loader import load_model
+        from engine.tokenizer import Tokenizer
+
+        self.model = load_model(model_dir)
+        self.tok = Tokenizer.from_dir(model_dir)
+        self._complete, self._prompt = complete, build_fim_prompt
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
+        ids = self._prompt(self.tok, prefix, suffix, order)
+        text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
+                                 stop=STOPS[kind])
+        return text
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        cache = self.model.new_cache(1, capacity=len(ids))
+        tokens = torch.tensor([ids])
+        return self.model.forward(tokens, torch.arange(len(ids))[None], cache)[0]
+
+
+class TransformersBackend:
+    def __init__(self, model_dir: Path):
+        from transformers import Qwen3MoeForCausalLM
+
+        from .fim_format import fim_prompt_ids
+
+        self.model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tok = load_tokenizer(model_dir / "tokenizer.json")
+        self._prompt = fim_prompt_ids
+        self.eos = self.tok.token_to_id("<|endoftext|>")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    @torch.no_grad()
+    def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
+        ids = self._prompt(self.encode, self.tok.token_to_id, prefix, suffix, order)
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
+                                  eos_token_id=self.eos, pad_token_id=self.eos)[0, len(ids):].tolist()
+        if self.eos in out:
+            out = out[:out.index(self.eos)]
+        text = self.tok.decode(out, skip_special_tokens=False)
+        for stop in STOPS[kind]:
+            text = text.split(stop)[0]
+        return text
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([ids])).logits[0].float()
+
+
+def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
+    """Left-to-right nats over the bytes of the predicted tokens (each ByteLevel char is one byte)."""
+    byte_len = token_byte_lengths(load_tokenizer(model_dir / "tokenizer.json"))
+    nats, n_bytes = 0.0, 0
+    for _, text in docs:
+        ids = backend.encode(text)[:max_tokens]
+        if len(ids) < 2:
+            continue
+        logits = backend.logits(ids)
+        targets = torch.tensor(ids[1:])
+        nats += F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
+        n_bytes += int(byte_len[targets].sum())
+    return nats / math.log(2) / n_bytes
+
+
+def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
+        allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi")) -> dict:
+    docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
+    if not docs:
+        raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
+    t0 = time.time()
+    backend = EngineBackend(model_dir) if backend_name == "engine" else TransformersBackend(model_dir)
+    result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
+              "load_s": round(time.time() - t0, 3)}
+    for kind in kinds:
+        tasks = make_tasks(docs, kind, seed)
+        for order in orders:
+            t1 = time.time()
+            em = es = 0.0
+            latencies = []
+            for task in tasks:
+                t2 = time.perf_counter()
+                pred = backend.fim(task.prefix, task.suffix, order, kind)
+                latencies.append(time.perf_counter() - t2)
+                em += exact_match(pred, task.middle)
+                es += edit_similarity(pred, task.middle)
+            result[f"{kind}_{order}"] = {"tasks": len(tasks), "exact_match": round(em / len(tasks), 4),
+                                         "edit_similarity": round(es / len(tasks), 4),
+                                         "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
+                                         "seconds": round(time.time() - t1, 1)}
+            print(kind, order, result[f"{kind}_{order}"], flush=True)
+    if bpb_tokens:
+        result["bits_per_byte"] = round(bits_per_byte(backend, docs, model_dir, bpb_tokens), 4)
+        result["bpb_tokens_per_file"] = bpb_tokens
+    return result
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--backend", choices=["engine", "transformers"], default="engine")
+    ap.add_argument("--files", type=int, default=100, help="held-out Python files to use (in list order)")
+    ap.add_argument("--orders", default="psm,spm")
+    ap.add_argument("--kinds", default="single,multi")
+    ap.add_argument("--bpb-tokens", type=int, default=1024, help="0 skips bits per byte")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
+                 args.allow_changed, args.seed, tuple(args.kinds.split(",")))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

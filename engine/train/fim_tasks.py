@@ -1,0 +1,60 @@
+"""Seeded FIM evaluation tasks cut from held-out files.
+
+single-line: one random non-empty line; its indentation stays in the prefix (the editor has
+             already indented), the middle is the rest of the line, the suffix starts at its newline.
+multi-line:  2-5 consecutive lines starting at a random non-empty line, cut the same way.
+Prefix and suffix are trimmed at line boundaries to a character budget, so prompts stay inside
+the 1024-token training context.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+PREFIX_CHARS, SUFFIX_CHARS = 2000, 1000
+
+
+@dataclass
+class FimTask:
+    doc_id: str
+    kind: str  # "single" | "multi"
+    prefix: str
+    middle: str
+    suffix: str
+
+
+def _trim(prefix: str, suffix: str) -> tuple[str, str]:
+    if len(prefix) > PREFIX_CHARS:
+        cut = prefix.find("\n", len(prefix) - PREFIX_CHARS)
+        prefix = prefix[cut + 1:] if cut != -1 else prefix[-PREFIX_CHARS:]
+    if len(suffix) > SUFFIX_CHARS:
+        cut = suffix.rfind("\n", 0, SUFFIX_CHARS)
+        suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
+    return prefix, suffix
+
+
+def make_task(doc_id: str, text: str, kind: str, rng: random.Random) -> FimTask | None:
+    lines = text.split("\n")
+    candidates = [i for i, l in enumerate(lines) if l.strip()]
+    if not candidates:
+        return None
+    first = rng.choice(candidates)
+    n = 1 if kind == "single" else rng.randint(2, 5)
+    last = min(len(lines) - 1, first + n - 1)
+    while last > first and not lines[last].strip():  # never end a block on blank lines
+        last -= 1
+    start = sum(len(l) + 1 for l in lines[:first])
+    start += len(lines[first]) - len(lines[first].lstrip(" \t"))
+    end = sum(len(l) + 1 for l in lines[:last + 1]) - 1
+    prefix, suffix = _trim(text[:start], text[end:])
+    return FimTask(doc_id, kind, prefix, text[start:end], suffix)
+
+
+def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0) -> list[FimTask]:
+    tasks = []
+    for doc_id, text in docs:
+        rng = random.Random(f"{seed}:{kind}:{doc_id}")  # per file, so subsets give the same tasks
+        task = make_task(doc_id, text, kind, rng)
+        if task:
+            tasks.append(task)
+    return tasks

@@ -1,0 +1,195 @@
+"""Train the default model on one GPU within a wall-clock budget, resumable across runs.
+
+    python -m engine.train.train --corpus .corpus --model-dir engine/models/wd-coder-tiny \
+        --out OUT_DIR --budget-s 450 [--resume PREV_OUT/ckpt]
+
+The learning rate warms up, stays flat and decays linearly (to 10%) over the last --decay-frac of this
+run's wall-clock budget, so the run sizes itself to whatever throughput the machine gives. Progress
+(loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
+with the held-out loss and bits per byte; the checkpoint is rewritten every --save-every-s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint
+from .config import load_config
+from .data import PackedStream, chunk_doc, heldout_rows, load_tokenizer, read_docs
+from .model import Qwen3MoeLM
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
+    ap.add_argument("--model-dir", type=Path, required=True, help="holds config.json and tokenizer.json")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--resume", type=Path, help="a checkpoint folder written by an earlier run")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
+    ap.add_argument("--max-steps", type=int, default=10**9)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch-rows", type=int, default=256)
+    ap.add_argument("--micro-rows", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=150)
+    ap.add_argument("--decay-frac", type=float, default=0.25, help="share of the budget spent decaying the lr")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--workers", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every-s", type=float, default=90.0)
+    ap.add_argument("--save-every-s", type=float, default=120.0)
+    ap.add_argument("--heldout-rows", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap.parse_args(argv)
+
+
+def lr_at(step: int, frac: float, args) -> float:
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    decay = min(1.0, max(0.0, (1.0 - frac) / args.decay_frac))
+    return args.lr * warm * (0.1 + 0.9 * decay)
+
+
+def make_optimizer(model, args):
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed_tokens" not in n)]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=args.device.startswith("cuda"))
+
+
+@torch.no_grad()
+def heldout_eval(model, rows, byte_lens, device, autocast) -> dict:
+    model.eval()
+    nats, tokens = 0.0, 0
+    for i in range(0, len(rows), 16):
+        batch = rows[i:i + 16].to(device)
+        with autocast:
+            logits, _ = model(batch[:, :-1])
+        nats += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        tokens += batch[:, 1:].numel()
+    model.train()
+    return {"heldout_loss": nats / tokens, "heldout_bpb": nats / math.log(2) / int(byte_lens.sum())}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = args.device
+    config = load_config(args.model_dir)
+    tok_path = args.model_dir / "tokenizer.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    model = Qwen3MoeLM(config)
+    state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
+    if args.resume:
+        model.load_state_dict({k: v.float() for k, v in checkpoint.load_weights(args.resume).items()})
+        state = checkpoint.load_state(args.resume)
+        prev_log = args.resume.parent / "log.jsonl"
+        if prev_log.exists():
+            (args.out / "log.jsonl").write_text(prev_log.read_text())
+        print(f"resumed at step {state['step']}, {state['tokens_seen']:,} tokens", flush=True)
+    else:
+        model.init_weights(args.seed)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params:,}; device {device}", flush=True)
+
+    t_load = time.time()
+    chunks = [c for d in read_docs(args.corpus / "train.jsonl") for c in chunk_doc(d)]
+    held_rows, held_bytes = heldout_rows(read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path),
+                                         args.seq_len, args.heldout_rows)
+    print(f"{len(chunks):,} train chunks, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
+    # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
+    stream = PackedStream(chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"])
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                         pin_memory=device.startswith("cuda"), prefetch_factor=4 if args.workers else None,
+                                         persistent_workers=bool(args.workers))
+    batches = iter(loader)
+
+    opt = make_optimizer(model, args)
+    autocast = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+    accum = args.batch_rows // args.micro_rows
+    log_f = open(args.out / "log.jsonl", "a")
+    run = {"start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len}
+
+    def log(record: dict) -> None:
+        log_f.write(json.dumps(record) + "\n")
+        log_f.flush()
+
+    def save() -> None:
+        checkpoint.save(model, {**state, "runs": state["runs"] + [run]}, args.out / "ckpt")
+
+    t0 = last_eval = last_save = time.time()
+    window_tokens, window_t = 0, time.time()
+    step0 = state["step"]
+    while True:
+        elapsed = time.time() - t0
+        frac = elapsed / args.budget_s
+        if frac >= 1.0 or state["step"] - step0 >= args.max_steps:
+            break
+        lr = lr_at(state["step"] - step0, frac, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = aux_sum = 0.0
+        for _ in range(accum):
+            rows = next(batches).to(device, non_blocking=True)
+            with autocast:
+                logits, aux = model(rows[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+            ((loss + args.aux_coef * aux) / accum).backward()
+            loss_sum += loss.detach()
+            aux_sum += aux.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens_seen"] += args.batch_rows * args.seq_len
+        window_tokens += args.batch_rows * args.seq_len
+
+        if state["step"] % args.log_every == 0 or state["step"] - step0 <= 3:
+            now = time.time()
+            rec = {"step": state["step"], "tokens_seen": state["tokens_seen"], "loss": float(loss_sum) / accum,
+                   "aux": float(aux_sum) / accum, "lr": lr, "grad_norm": float(grad_norm),
+                   "tok_per_s": window_tokens / (now - window_t), "elapsed_s": now - t0}
+            window_tokens, window_t = 0, now
+            log(rec)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+        if time.time() - last_eval > args.eval_every_s:
+            rec = {"step": state["step"], "tokens_seen": state["tokens_seen"],
+                   **heldout_eval(model, held_rows, held_bytes, device, autocast)}
+            log(rec)
+            print("eval", rec, flush=True)
+            last_eval = time.time()
+        if time.time() - last_save > args.save_every_s:
+            save()
+            last_save = time.time()
+
+    state["train_seconds"] += time.time() - t0
+    run["end_step"] = state["step"]
+    final = {"step": state["step"], "tokens_seen": state["tokens_seen"], "final": True,
+             **heldout_eval(model, held_rows, held_bytes, device, autocast)}
+    log(final)
+    print("final", final, flush=True)
+    state["runs"].append(run)
+    state["final_heldout"] = final
+    checkpoint.save(model, state, args.out / "ckpt")
+    state["runs"].pop()  # save() above already recorded it
+    log_f.close()
+    try:
+        from .plot import plot_loss
+        plot_loss(args.out / "log.jsonl", args.out / "loss.png")
+    except Exception as e:  # matplotlib is optional; the curve can be drawn later from log.jsonl
+        print("no plot:", e, flush=True)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

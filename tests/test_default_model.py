@@ -1,0 +1,119 @@
+"""The embedded default model: it loads with transformers and with the engine and both agree, its
+tokenizer round-trips source byte-exactly, it completes an obvious line, and the eval runs."""
+import ast
+import importlib.util
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "models" / "wd-coder-tiny"
+HAS_ENGINE = all(importlib.util.find_spec(m) for m in ("engine.loader", "engine.generate", "engine.fim"))
+needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="engine modules not present")
+
+PROMPTS = ["import os\n\n\ndef main(argv):\n    path = os.path.join(",
+           "<|fim_suffix|>\n    return total\n<|fim_prefix|>def total(xs):\n    <|fim_middle|>"]
+
+
+def test_shipped_files_are_complete_and_small():
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "README.md", "loss.png"):
+        assert (MODEL_DIR / name).is_file(), name
+    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 48_000_000
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["vocab_size"] <= 16384
+
+
+def test_safetensors_uses_the_per_expert_hf_layout():
+    from safetensors import safe_open
+
+    with safe_open(str(MODEL_DIR / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        assert f"model.layers.{layer}.mlp.gate.weight" in keys
+        for e in range(config["num_experts"]):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" in keys
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    """The engine when present, else transformers, behind one small interface."""
+    from engine.train.eval import EngineBackend, TransformersBackend
+
+    return EngineBackend(MODEL_DIR) if HAS_ENGINE else TransformersBackend(MODEL_DIR)
+
+
+@needs_engine
+def test_engine_logits_match_transformers(hf_model):
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ours = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, capacity=len(ids)))[0]
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0]
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def test_transformers_loads_and_predicts_code(hf_model):
+    from engine.train.data import load_tokenizer
+
+    tok = load_tokenizer(MODEL_DIR / "tokenizer.json")
+    ids = tok.encode("import os\nimport sys\n\n\ndef main():\n    print(sys.argv)\n\n\nif __name__ == '__main__':\n   ").ids
+    with torch.no_grad():
+        nxt = hf_model(torch.tensor([ids])).logits[0, -1].argmax().item()
+    assert tok.decode([nxt]) == " main"
+
+
+def _source_samples():
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8") for name in ("os.py", "textwrap.py", "json/decoder.py")]
+    return texts + ["naïve café 你好 🙂\tx = 1\r\n", "  \n\n\t\t  trailing   \n", "s = '<|endoftext|><|fim_prefix|>'\n",
+                    "\x00\x7f\u2028 ∑ 𝔘", ""]
+
+
+def test_tokenizer_round_trips_source_byte_exactly():
+    from engine.train.data import load_tokenizer
+
+    tok = load_tokenizer(MODEL_DIR / "tokenizer.json")
+    for text in _source_samples():
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    if HAS_ENGINE:
+        from engine.tokenizer import Tokenizer
+
+        etok = Tokenizer.from_dir(MODEL_DIR)
+        for text in _source_samples():
+            assert etok.decode(etok.encode(text)) == text
+
+
+def test_fim_completes_an_obvious_line(backend):
+    prefix = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        "
+    suffix = "\n\n    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+    middle = backend.fim(prefix, suffix, "spm", "single")
+    assert middle.strip()
+    ast.parse(prefix + middle + suffix)
+
+
+def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
+    from engine.train import eval as evaluation
+
+    out = tmp_path / "eval.json"
+    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--orders", "spm", "--bpb-tokens", "128",
+                     "--allow-changed", "--json", str(out)] + ([] if HAS_ENGINE else ["--backend", "transformers"]))
+    result = json.loads(out.read_text())
+    assert result["files"] == 2
+    for key in ("single_spm", "multi_spm"):
+        assert 0.0 <= result[key]["exact_match"] <= 1.0 and 0.0 <= result[key]["edit_similarity"] <= 1.0
+    assert 0.0 < result["bits_per_byte"] < 8.0
