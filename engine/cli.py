@@ -104,10 +104,14 @@ def _serve(args: argparse.Namespace) -> int:
             log.info("tcp token written to %s", token_file)
         if args.tcp_host not in ("127.0.0.1", "::1", "localhost"):
             log.warning("tcp listener on %s is reachable beyond this machine", args.tcp_host)
+    http = _http_options(args, log) if args.http_port is not None else None
+    idle_timeout = args.idle_timeout
+    if idle_timeout is None:  # an HTTP server is started on purpose: it stays until stopped
+        idle_timeout = float("inf") if http else 900.0
     options = ServeOptions(
         socket_path=Path(args.socket) if args.socket else paths.socket_path(),
         tcp_host=args.tcp_host, tcp_port=args.tcp_port, token=token,
-        idle_timeout_s=args.idle_timeout, max_prompt_tokens=args.max_prompt_tokens,
+        idle_timeout_s=idle_timeout, max_prompt_tokens=args.max_prompt_tokens, http=http,
     )
     try:
         asyncio.run(EngineServer(engine, model_dir, options).serve())
@@ -116,6 +120,27 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _http_options(args: argparse.Namespace, log):
+    """The OpenAI-compatible listener's address and bearer token (file, env, or a new one
+    written owner-only into the runtime directory)."""
+    from pathlib import Path
+
+    from engine import paths
+    from engine.openai_http import HttpOptions
+    from engine.server import new_token
+
+    token = (Path(args.http_token_file).read_text().strip() if args.http_token_file
+             else os.environ.get("WD_ENGINE_HTTP_TOKEN"))
+    if not token:
+        token = new_token()
+        token_file = paths.runtime_dir() / "http.token"
+        token_file.touch(mode=0o600)
+        token_file.chmod(0o600)
+        token_file.write_text(token)
+        log.info("http bearer token written to %s", token_file)
+    return HttpOptions(host=args.http_host, port=args.http_port, token=token)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token")
     serve.add_argument("--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)")
     serve.add_argument("--token-file", help="file holding the TCP token (default: $WD_ENGINE_TOKEN or a new one)")
-    serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("WD_ENGINE_IDLE_TIMEOUT", 900)),
-                       help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT)")
+    idle = os.environ.get("WD_ENGINE_IDLE_TIMEOUT")
+    serve.add_argument("--idle-timeout", type=float, default=float(idle) if idle else None,
+                       help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT; "
+                            "with --http-port: never)")
+    serve.add_argument("--http-port", type=int,
+                       help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port (0: any)")
+    serve.add_argument("--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)")
+    serve.add_argument("--http-token-file", help="file holding the HTTP bearer token "
+                       "(default: $WD_ENGINE_HTTP_TOKEN, or a new one written to http.token in the runtime dir)")
     serve.add_argument("--kv-memory-mb", type=int, default=256, help="KV block pool size")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")

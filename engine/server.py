@@ -34,6 +34,7 @@ class ServeOptions:
     idle_timeout_s: float = 900.0
     drain_timeout_s: float = 10.0
     max_prompt_tokens: int = 4096
+    http: object | None = None  # engine.openai_http.HttpOptions: the OpenAI-compatible listener
 
 
 class _Connection:
@@ -70,6 +71,7 @@ class EngineServer:
         self.stopped = asyncio.Event()
         self.servers: list[asyncio.base_events.Server] = []
         self.counters = dict(connections=0, bad_frames=0, errors=0)
+        self.http = None  # the OpenAI-compatible listener, when enabled
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -89,6 +91,11 @@ class EngineServer:
             self.servers.append(tcp)
             self.tcp_port = tcp.sockets[0].getsockname()[1]
             log.info("listening on tcp %s:%d (token required)", host, self.tcp_port)
+        if self.options.http is not None:
+            from engine.openai_http import OpenAIFrontend  # starlette/uvicorn only when asked for
+
+            self.http = OpenAIFrontend(self, self.options.http)
+            await self.http.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain_and_stop("signal")))
@@ -100,6 +107,8 @@ class EngineServer:
             watchdog.cancel()
             for server in self.servers:
                 server.close()
+            if self.http is not None:
+                await self.http.stop()
             self.engine.stop()
             try:
                 path.unlink()
@@ -116,7 +125,8 @@ class EngineServer:
         for server in self.servers:
             server.close()
         deadline = time.monotonic() + self.options.drain_timeout_s
-        while time.monotonic() < deadline and any(conn.tasks for conn in self.connections):
+        while time.monotonic() < deadline and (any(conn.tasks for conn in self.connections)
+                                                or (self.http is not None and self.http.inflight)):
             await asyncio.sleep(0.05)  # requests in flight finish and send their final frame
         for conn in list(self.connections):
             conn.writer.close()

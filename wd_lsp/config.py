@@ -10,6 +10,19 @@ from dataclasses import dataclass, field, replace
 
 MODEL_ENV_VAR = "WD_LSP_MODEL"
 MULTILINE_POLICIES = ("auto", "single", "multi")
+BACKENDS = ("engine", "openai")
+FIM_MODES = ("template", "suffix")
+# Defaults from the environment, for editors whose settings UI lacks these keys (VS Code's
+# `wdLsp.server.env` passes them) and to keep keys out of settings files.
+BACKEND_ENV_VAR = "WD_LSP_BACKEND"
+OPENAI_URL_ENV_VAR = "WD_LSP_OPENAI_BASE_URL"
+OPENAI_KEY_ENV_VAR = "WD_LSP_OPENAI_API_KEY"
+OPENAI_MODEL_ENV_VAR = "WD_LSP_OPENAI_MODEL"
+
+
+def _env(name: str, default=None, allowed=None):
+    value = os.environ.get(name) or None
+    return value if value is not None and (allowed is None or value in allowed) else default
 
 
 @dataclass(frozen=True)
@@ -21,10 +34,26 @@ class EngineAddress:
 
 
 @dataclass(frozen=True)
+class OpenAIServer:
+    """An OpenAI-compatible /v1/completions server (vLLM, SGLang, llama.cpp, `wd-engine serve --http-port`)."""
+
+    base_url: str = field(default_factory=lambda: _env(OPENAI_URL_ENV_VAR, "http://127.0.0.1:8000/v1"))
+    api_key: str | None = field(default_factory=lambda: _env(OPENAI_KEY_ENV_VAR))
+    model: str | None = field(default_factory=lambda: _env(OPENAI_MODEL_ENV_VAR))  # None: the first one listed
+    # "template": the client writes the Qwen-Coder FIM prompt (works everywhere);
+    # "suffix": the server builds it from OpenAI's `suffix` parameter (our engine, SGLang with a
+    # completion template; vLLM refuses `suffix`).
+    fim: str = "template"
+
+
+@dataclass(frozen=True)
 class Settings:
     enabled: bool = True
     model: str | None = field(default_factory=lambda: os.environ.get(MODEL_ENV_VAR) or None)
     engine: EngineAddress = EngineAddress()
+    # "engine": the resident daemon; "openai": an OpenAI-compatible server
+    backend: str = field(default_factory=lambda: _env(BACKEND_ENV_VAR, "engine", BACKENDS))
+    openai: OpenAIServer = field(default_factory=OpenAIServer)
     debounce_ms: int = 60
     max_tokens: int = 64
     multiline: str = "auto"
@@ -50,6 +79,7 @@ _FIELDS = {
     "temperature": ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
     "warmOnChange": ("warm_on_change", lambda v: isinstance(v, bool)),
     "requestTimeoutMs": ("request_timeout_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "backend": ("backend", lambda v: v in BACKENDS),
 }
 _ENGINE_FIELDS = {
     "socket": ("socket", lambda v: v is None or isinstance(v, str)),
@@ -57,6 +87,13 @@ _ENGINE_FIELDS = {
     "token": ("token", lambda v: v is None or isinstance(v, str)),
     "autoStart": ("auto_start", lambda v: isinstance(v, bool)),
 }
+_OPENAI_FIELDS = {
+    "baseUrl": ("base_url", lambda v: isinstance(v, str) and v.startswith(("http://", "https://"))),
+    "apiKey": ("api_key", lambda v: v is None or isinstance(v, str)),
+    "model": ("model", lambda v: v is None or isinstance(v, str)),
+    "fim": ("fim", lambda v: v in FIM_MODES),
+}
+_SECTIONS = {"engine": _ENGINE_FIELDS, "openai": _OPENAI_FIELDS}
 
 
 def merge_settings(current: Settings, raw, warn=lambda message: None) -> Settings:
@@ -69,11 +106,11 @@ def merge_settings(current: Settings, raw, warn=lambda message: None) -> Setting
         raw = raw["wdLsp"]
     changes = {}
     for key, value in raw.items():
-        if key == "engine":
+        if key in _SECTIONS:
             if isinstance(value, dict):
-                changes["engine"] = _merge(current.engine, value, _ENGINE_FIELDS, warn, "engine.")
+                changes[key] = _merge(getattr(current, key), value, _SECTIONS[key], warn, f"{key}.")
             else:
-                warn("ignoring setting 'engine': expected a map")
+                warn(f"ignoring setting {key!r}: expected a map")
         elif key in _FIELDS:
             name, ok = _FIELDS[key]
             if ok(value):

@@ -52,6 +52,16 @@ class WdLanguageServer(LanguageServer):
         self._progress_token: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def configure_backend(self) -> None:
+        """Use the backend the settings ask for (the engine daemon or an OpenAI-compatible server)."""
+        wanted = EngineLink
+        if self.settings.backend == "openai":
+            from .openai_backend import OpenAIBackend as wanted  # httpx is imported only when used
+        if not isinstance(self.engine, wanted):
+            self.engine.disconnect()
+            self.engine = wanted(self._on_engine_state, self._on_engine_progress)
+        self.engine.configure(self.settings)
+
     # -- status ---------------------------------------------------------------------------------
     def log(self, message: str, level: T.MessageType = T.MessageType.Info) -> None:
         log.log(logging.ERROR if level == T.MessageType.Error else logging.INFO, message)
@@ -213,7 +223,7 @@ def on_initialize(ls: WdLanguageServer, params: T.InitializeParams):
         from .document import uri_to_path
 
         ls.docs.root = uri_to_path(root)
-    ls.engine.configure(ls.settings)
+    ls.configure_backend()
 
 
 @server.feature(T.INITIALIZED)
@@ -233,7 +243,7 @@ async def _connect_quietly(ls: WdLanguageServer) -> None:
 @server.feature(T.WORKSPACE_DID_CHANGE_CONFIGURATION)
 def on_configuration(ls: WdLanguageServer, params: T.DidChangeConfigurationParams):
     ls.settings = merge_settings(ls.settings, params.settings, warn=lambda m: ls.log(m, T.MessageType.Warning))
-    ls.engine.configure(ls.settings)
+    ls.configure_backend()
     ls._notify_status("disabled" if not ls.settings.enabled else ls.engine.state, "settings updated")
 
 

@@ -1,0 +1,382 @@
+"""An OpenAI-compatible HTTP endpoint on the engine daemon (opt-in: `wd-engine serve --http-port`).
+
+`/v1/completions` (plain prompts, or FIM through `suffix`; streaming as server-sent events),
+`/v1/models` and `/health`, on Starlette + uvicorn. It runs in the daemon's own event loop and
+submits to the same `Engine` as the msgpack path, so both share one scheduler and one prefix
+cache. Every `/v1/*` route needs `Authorization: Bearer <token>`; `/health` answers without it
+(load balancers probe it) and says nothing but ok/draining.
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
+parameters or a prompt longer than the context, 401 without a valid token, 404 for another
+model name, 503 while draining, when the KV pool can't hold the request, or on an engine error.
+A client that disconnects mid-request cancels its engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from engine import protocol as P
+from engine.scheduler import Event, Request
+
+if TYPE_CHECKING:
+    from engine.server import EngineServer
+
+log = logging.getLogger("wd_engine.http")
+
+MAX_BODY_BYTES = P.MAX_FRAME_BYTES
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+    token: str = ""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+class OpenAIFrontend:
+    """The HTTP listener of one `EngineServer`: start() binds, stop() drains and closes."""
+
+    def __init__(self, server: "EngineServer", options: HttpOptions):
+        self.server = server
+        self.options = options
+        self.model_id = server.model_dir.name
+        self.created = int(time.time())
+        self.inflight = 0  # requests being answered; the daemon's drain waits for them
+        self.port: int | None = None
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+        self._uvicorn: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        # Bind here, not inside uvicorn: a taken port becomes a clean error before the daemon
+        # reports ready (uvicorn would sys.exit), and port 0 tells us the port it got.
+        host, port = self.options.host, self.options.port
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(info[0], socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(info[4])
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen for HTTP on {host}:{port}: {exc}") from exc
+        sock.listen(128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2, server_header=False)
+        self._uvicorn = _InLoopServer(config)
+        self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP listener stopped while starting")
+            await asyncio.sleep(0.01)
+        if host not in LOOPBACK:
+            log.warning("http listener on %s is reachable beyond this machine", host)
+        log.info("listening on http://%s:%d/v1 (bearer token required)", host, self.port)
+
+    async def stop(self) -> None:
+        if self._uvicorn is None:
+            return
+        self._uvicorn.should_exit = True
+        try:
+            await self._task
+        except Exception:  # noqa: BLE001 - stopping anyway
+            log.exception("http listener failed while stopping")
+
+    # -- routes ---------------------------------------------------------------------------------
+    async def health(self, request: HttpRequest) -> JSONResponse:
+        ok = not self.server.draining
+        return JSONResponse({"status": "ok" if ok else "draining"}, status_code=200 if ok else 503)
+
+    async def models(self, request: HttpRequest) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest) -> JSONResponse:
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["model"])
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: HttpRequest):
+        self.server.last_client_seen = time.monotonic()
+        self.inflight += 1
+        engine_request = watcher = None
+        streaming = False
+        try:
+            self._authorize(request)
+            if self.server.draining:
+                raise ApiError(503, "the engine is shutting down", "server_error", code="shutting_down")
+            body = await _read_json(request)
+            engine_request, stream, include_usage = await self._make_request(body)
+            events = self._submit(engine_request)
+            # A client gone mid-request cancels the engine's work; the engine then ends the
+            # request with a "done" event, so the loops below always see an end.
+            watcher = asyncio.ensure_future(self._cancel_on_disconnect(request, engine_request))
+            first = await events.get()
+            if first.kind == "error":  # nothing was sent yet: a proper status code
+                raise _engine_error(first.error)
+            if stream:
+                streaming = True  # the response owns the watcher and the in-flight count now
+                return _EventStream(
+                    self._sse(engine_request, events, first, include_usage),
+                    on_close=lambda: self._stream_closed(engine_request, watcher),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            return await self._collect(events, engine_request, first)
+        except ApiError as exc:
+            return exc.response()
+        except asyncio.CancelledError:  # uvicorn gave up on the request (shutdown timeout)
+            if engine_request is not None:
+                self.server.engine.cancel(engine_request.id, "disconnected")
+            raise
+        finally:
+            if not streaming:
+                self._done(watcher)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _done(self, watcher: asyncio.Task | None) -> None:
+        if watcher is not None:
+            watcher.cancel()
+        self.inflight -= 1
+        self.server.last_client_seen = time.monotonic()
+
+    async def _cancel_on_disconnect(self, request: HttpRequest, engine_request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.server.engine.cancel(engine_request.id, "disconnected")
+
+    def _authorize(self, request: HttpRequest) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.options.token):
+            raise ApiError(401, "a valid bearer token is required", code="invalid_api_key")
+
+    def _check_model(self, name) -> None:
+        if name is not None and name != self.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this engine serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "wd-lsp",
+                "max_model_len": self.server.engine.model.config.max_position_embeddings}
+
+    async def _make_request(self, body: dict) -> tuple[Request, bool, bool]:
+        """Validate an OpenAI completions body and build the engine request."""
+        self._check_model(body.get("model"))
+        for name, neutral in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None),
+                              ("presence_penalty", 0), ("frequency_penalty", 0)):
+            if body.get(name, neutral) not in (neutral, None):
+                raise _bad(f"'{name}' is not supported (only {neutral!r})", name)
+        if body.get("logit_bias"):
+            raise _bad("'logit_bias' is not supported", "logit_bias")
+        stream = body.get("stream") or False
+        options = body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(options, dict):
+            raise _bad("'stream' must be a boolean and 'stream_options' an object", "stream")
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        # OpenAI's defaults, not the engine's greedy ones: tools expect the API's behaviour.
+        params = dict(
+            max_tokens=16 if body.get("max_tokens") is None else body["max_tokens"],
+            temperature=1.0 if body.get("temperature") is None else body["temperature"],
+            top_p=1.0 if body.get("top_p") is None else body["top_p"],
+            stop=stop, seed=body.get("seed"),
+        )
+        prompt = _single_prompt(body.get("prompt"))
+        suffix = body.get("suffix")
+        if isinstance(prompt, list):  # token ids
+            if suffix is not None:
+                raise _bad("'suffix' needs a text prompt", "suffix")
+            vocab = self.server.engine.tokenizer.vocab_size
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise _bad(f"token ids must be integers in [0, {vocab})", "prompt")
+            params["prompt"] = ""
+        elif suffix is not None:  # FIM: the prompt is the text before the hole
+            params.update(prefix=prompt, suffix=suffix)
+        else:
+            params["prompt"] = prompt
+        try:
+            p = P.CompletionParams.from_params(params)
+        except (TypeError, ValueError) as exc:
+            raise _bad(str(exc)) from exc
+        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.server._build_prompt, p)
+        limit = self.server.engine.model.config.max_position_embeddings
+        if len(ids) + p.max_tokens > limit:
+            raise _bad(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                       f"and max_tokens asks for {p.max_tokens}", "max_tokens")
+        if not ids:
+            raise _bad("the prompt is empty", "prompt")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension; benchmarks use it
+        if not isinstance(ignore_eos, bool):
+            raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+        engine_request = Request(
+            list(ids), max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
+            seed=p.seed, stop=p.stop, stop_at_eos=not ignore_eos, id=f"http:{secrets.token_hex(8)}",
+        )
+        return engine_request, stream, bool(options.get("include_usage"))
+
+    def _submit(self, engine_request: Request) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self.server.engine.submit(engine_request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        return events
+
+    async def _collect(self, events: asyncio.Queue, engine_request: Request, event: Event) -> JSONResponse:
+        text = []
+        while event.kind == "delta":
+            text.append(event.text)
+            event = await events.get()
+        if event.kind == "error":
+            raise _engine_error(event.error)
+        choice = {"text": "".join(text), "index": 0, "logprobs": None, "finish_reason": _finish(event.finish_reason)}
+        return JSONResponse(dict(self._envelope(engine_request), choices=[choice], usage=_usage(event.usage)))
+
+    async def _sse(self, engine_request: Request, events: asyncio.Queue, event: Event, include_usage: bool):
+        envelope = self._envelope(engine_request)
+        while True:
+            if event.kind == "delta":
+                yield _sse_data(dict(envelope, choices=[_chunk(event.text, None)]))
+            elif event.kind == "done":
+                yield _sse_data(dict(envelope, choices=[_chunk("", _finish(event.finish_reason))]))
+                if include_usage:
+                    yield _sse_data(dict(envelope, choices=[], usage=_usage(event.usage)))
+                break
+            else:  # the status line is already sent: report in the stream, as others do
+                error = _engine_error(event.error)
+                yield _sse_data({"error": {"message": error.message, "type": error.type, "code": error.code}})
+                break
+            event = await events.get()
+        yield "data: [DONE]\n\n"
+
+    def _stream_closed(self, engine_request: Request, watcher: asyncio.Task) -> None:
+        # However the response ended (finished, failed write, never started because the client
+        # left at once): stop the engine's work, which is a no-op for a finished request.
+        self.server.engine.cancel(engine_request.id, "disconnected")
+        self._done(watcher)
+
+    def _envelope(self, engine_request: Request) -> dict:
+        return {"id": f"cmpl-{engine_request.id.removeprefix('http:')}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_id}
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response that always runs `on_close`, even when it never started streaming."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _InLoopServer(uvicorn.Server):
+    """uvicorn inside the daemon's loop: the daemon owns SIGTERM/SIGINT (it drains first)."""
+
+    def capture_signals(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+async def _read_json(request: HttpRequest) -> dict:
+    size = 0
+    chunks = []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _bad("the body must be a JSON object")
+    return body
+
+
+def _single_prompt(prompt):
+    """One prompt: a string, or token ids; a list of exactly one of those is unwrapped."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return prompt
+    if isinstance(prompt, list):
+        raise _bad("only one prompt per request is supported", "prompt")
+    raise _bad("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _engine_error(message: str | None) -> ApiError:
+    message = message or "engine error"
+    if "pool" in message or "KV blocks" in message:
+        return ApiError(503, message, "server_error", code="pool_full")
+    if "context" in message or "empty prompt" in message:
+        return _bad(message, "prompt")
+    return ApiError(503, message, "server_error", code="engine_error")
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
+
+
+def _chunk(text: str, finish_reason: str | None) -> dict:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

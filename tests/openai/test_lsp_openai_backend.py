@@ -1,0 +1,204 @@
+"""The language server's OpenAI-compatible backend against the engine's own HTTP endpoint: the
+backend on its own (FIM template vs server-side suffix, cancellation, failures) and the whole
+server over stdio with `backend: "openai"`."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+from lsprotocol import types as T
+from pytest_lsp import ClientServerConfig
+
+from wd_lsp.config import Settings, merge_settings
+from wd_lsp.context import build_context
+from wd_lsp.document import Document, Position
+from wd_lsp.openai_backend import OpenAIBackend, fim_template_prompt
+from wd_lsp.shape import StopRules
+
+PY = "import os\n\n\ndef add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        \n"
+CURSOR = (10, 8)  # after the indentation of the last line
+URI = "file:///project/point.py"
+NO_STOPS = StopRules(multiline=True, max_lines=1000)
+
+
+def settings_for(http_engine, **openai) -> Settings:
+    raw = {"backend": "openai", "maxTokens": 12, "temperature": 0,
+           "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token} | openai}
+    return merge_settings(Settings(), raw, warn=pytest.fail)
+
+
+def context():
+    return build_context(Document(URI, PY, "python"), Position(*CURSOR))
+
+
+class States:
+    def __init__(self):
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, state, message):
+        self.seen.append((state, message))
+
+
+async def raw_completion(http_engine, **body) -> dict:
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(f"{http_engine.base_url}/completions", json=body,
+                                   headers={"Authorization": f"Bearer {http_engine.token}"})
+    response.raise_for_status()
+    return response.json()
+
+
+def test_settings_parse_and_reject_bad_values():
+    warnings = []
+    s = merge_settings(Settings(), {"backend": "openai", "openai": {
+        "baseUrl": "http://gpu-box:8000/v1", "apiKey": "k", "model": "m", "fim": "suffix"}}, warn=warnings.append)
+    assert (s.backend, s.openai.base_url, s.openai.api_key, s.openai.model, s.openai.fim) == (
+        "openai", "http://gpu-box:8000/v1", "k", "m", "suffix")
+    assert not warnings
+    s2 = merge_settings(s, {"backend": "cloud", "openai": {"fim": "psm", "baseUrl": "gpu-box:8000"}}, warn=warnings.append)
+    assert s2 == s and len(warnings) == 3
+
+
+def test_imports_no_torch():
+    code = ("import sys\nimport wd_lsp.server, wd_lsp.openai_backend\n"
+            "heavy = [m for m in ('torch', 'triton', 'numpy', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_template_and_suffix_fim_agree_with_the_endpoint(http_engine):
+    ctx = context()
+    # The Qwen-Coder template written by the client and the `suffix` FIM built by the engine
+    # are the same token sequence, so greedy decoding gives the same text both ways.
+    raw = await raw_completion(http_engine, prompt=fim_template_prompt(ctx), max_tokens=12, temperature=0)
+    answers = []
+    for fim in ("template", "suffix"):
+        backend = OpenAIBackend(States(), lambda m: None)
+        backend.configure(settings_for(http_engine, fim=fim))
+        answer = await backend.complete(ctx, NO_STOPS, key="k")
+        answers.append(answer.text)
+        assert backend.state == "ready" and backend.model_info == {"name": http_engine.model}
+        assert answer.usage["completion_tokens"] >= 1 and answer.first_token_ms is not None
+        assert (await backend.stats())["requests"] == 1
+        backend.disconnect()
+    assert answers[0] == answers[1] == raw["choices"][0]["text"]
+
+
+async def test_a_stop_rule_closes_the_stream(http_engine):
+    ctx = context()
+    backend = OpenAIBackend(States(), lambda m: None)
+    backend.configure(merge_settings(settings_for(http_engine), {"maxTokens": 200}))
+    full = (await backend.complete(ctx, NO_STOPS, key="k")).text
+    if len(full) < 4:
+        pytest.skip("the random model ended at once")
+    stop = full[2:4]
+    answer = await backend.complete(ctx, StopRules(multiline=True, max_lines=1000, stop_strings=(stop,)), key="k")
+    assert answer.text == full[: full.find(stop)]
+    backend.disconnect()
+
+
+async def test_cancelling_a_completion_cancels_the_engine_request(http_engine):
+    before = (await http_engine.wait_idle())["cancelled"]
+    backend = OpenAIBackend(States(), lambda m: None)
+    s = merge_settings(settings_for(http_engine), {"maxTokens": 400})
+    backend.configure(s)
+    await backend.ensure_connected()
+    # Long enough to still be decoding when cancelled (the model may end earlier at an eos).
+    task = asyncio.ensure_future(backend.complete(context(), NO_STOPS, key="k"))
+    for _ in range(200):
+        if (await http_engine.stats())["running"]:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await http_engine.wait_idle()
+    assert stats["running"] == 0
+    assert stats["cancelled"] == before + 1 or stats["completed"] > 0  # cancelled, unless it had ended
+    backend.disconnect()
+
+
+async def test_failures_give_one_message_then_recover(http_engine):
+    from engine.client import EngineUnavailable
+
+    states = States()
+    backend = OpenAIBackend(states, lambda m: None)
+    backend.configure(settings_for(http_engine, apiKey="wrong"))
+    for _ in range(3):
+        with pytest.raises(EngineUnavailable):
+            await backend.complete(context(), NO_STOPS, key="k")
+    errors = [m for state, m in states.seen if state == "error"]
+    assert len(errors) == 1 and "401" in errors[0]
+    backend.configure(settings_for(http_engine))  # fixed in the settings: works again
+    assert (await backend.complete(context(), NO_STOPS, key="k")).usage is not None
+    assert backend.state == "ready"
+    backend.configure(settings_for(http_engine, baseUrl="http://127.0.0.1:9/v1"))  # nothing listens there
+    with pytest.raises(EngineUnavailable):
+        await backend.complete(context(), NO_STOPS, key="k")
+    assert backend.state == "error"
+    backend.disconnect()
+
+
+# -- the whole server over stdio ------------------------------------------------------------------
+CAPS = T.ClientCapabilities(text_document=T.TextDocumentClientCapabilities(
+    inline_completion=T.InlineCompletionClientCapabilities(), synchronization=T.TextDocumentSyncClientCapabilities()))
+
+
+@pytest.fixture
+async def lsp(http_engine, tmp_path):
+    env = dict(http_engine.env, XDG_STATE_HOME=str(tmp_path / "state"), WD_ENGINE_DIR=str(tmp_path / "no-engine"))
+    client = await ClientServerConfig(server_command=[sys.executable, "-m", "wd_lsp"], server_env=env).start()
+    options = {"debounceMs": 0, "maxTokens": 16, "backend": "openai",
+               "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token}}
+    await client.initialize_session(T.InitializeParams(capabilities=CAPS, initialization_options=options,
+                                                       root_uri="file:///project"))
+    yield client
+    await client.shutdown_session()
+
+
+def inline(client, line, character):
+    return client.text_document_inline_completion_async(T.InlineCompletionParams(
+        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line=line, character=character),
+        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic)))
+
+
+async def status(client):
+    return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+
+
+async def test_language_server_completes_through_the_http_endpoint(lsp, http_engine):
+    before = (await http_engine.wait_idle())["requests"]
+    lsp.text_document_did_open(T.DidOpenTextDocumentParams(
+        text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)))
+    for line, character in (CURSOR, (4, 4), (9, 8)):
+        result = await inline(lsp, line, character)
+        for item in result.items:
+            assert item.range.start == T.Position(line=line, character=character)
+            assert isinstance(item.insert_text, str) and item.insert_text
+    s = await status(lsp)
+    assert s["engine"] == "ready" and s["model"] == http_engine.model
+    assert s["engine_calls"] == 3 and s["errors"] == 0
+    assert s["engineStats"]["backend"] == "openai" and s["engineStats"]["requests"] == 3
+    # The engine saw them (and no speculative warm-ups: the OpenAI backend sends none).
+    assert (await http_engine.wait_idle())["requests"] == before + 3
+
+
+async def test_language_server_with_a_bad_key_logs_once_and_answers_empty(lsp, http_engine):
+    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+        settings={"wdLsp": {"openai": {"apiKey": "wrong"}}}))
+    lsp.text_document_did_open(T.DidOpenTextDocumentParams(
+        text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)))
+    for _ in range(3):
+        assert not (await inline(lsp, *CURSOR)).items
+    await asyncio.sleep(0.1)
+    errors = [m for m in lsp.log_messages if m.type == T.MessageType.Error]
+    assert len(errors) == 1 and "401" in errors[0].message
+    s = await status(lsp)
+    assert s["engine"] == "error" and s["errors"] == 3
+    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+        settings={"wdLsp": {"openai": {"apiKey": http_engine.token}}}))
+    await inline(lsp, *CURSOR)
+    assert (await status(lsp))["engine"] == "ready"
