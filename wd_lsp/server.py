@@ -48,6 +48,7 @@ class WdLanguageServer(LanguageServer):
         self.inflight: dict[str, asyncio.Task] = {}  # uri -> running completion
         self.warming: dict[str, asyncio.Task] = {}
         self.latencies_ms: deque[float] = deque(maxlen=200)
+        self.overheads_ms: deque[float] = deque(maxlen=200)  # request time not spent in the engine
         self.counters = dict(requests=0, engine_calls=0, typing_through=0, empty=0, superseded=0, errors=0, warms=0)
         self._progress_token: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,7 +109,9 @@ class WdLanguageServer(LanguageServer):
         return dict(
             version=__version__, enabled=self.settings.enabled, engine=self.engine.state,
             model=(self.engine.model_info or {}).get("name"), lastLatencyMs=self.latencies_ms[-1] if lat else None,
-            p50LatencyMs=lat[len(lat) // 2] if lat else None, typingThroughHits=self.memory.hits, **self.counters,
+            p50LatencyMs=lat[len(lat) // 2] if lat else None, typingThroughHits=self.memory.hits,
+            p50OverheadMs=sorted(self.overheads_ms)[len(self.overheads_ms) // 2] if self.overheads_ms else None,
+            **self.counters,
         )
 
     # -- completions ----------------------------------------------------------------------------
@@ -162,6 +165,7 @@ class WdLanguageServer(LanguageServer):
                             recent_edits=self.docs.recent_edits(), budget=Budget(), root=self.docs.root)
         rules = decide_shape(ctx, s.multiline, s.max_lines)
         self.counters["engine_calls"] += 1
+        engine_started = time.monotonic()
         try:
             answer = await self.engine.complete(ctx, rules, key=f"{self.instance}:{doc.uri}")
         except EngineUnavailable:
@@ -173,8 +177,10 @@ class WdLanguageServer(LanguageServer):
             return None
         if doc.generation != generation:
             return None  # the document changed while we waited: the answer is for old text
+        engine_s = time.monotonic() - engine_started
         text = postprocess(answer.text, ctx, rules)
         self._record_latency(started)
+        self.overheads_ms.append(self.latencies_ms[-1] - 1000 * engine_s - s.debounce_ms)
         return text
 
     def _record_latency(self, started: float) -> None:
