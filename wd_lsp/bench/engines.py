@@ -36,16 +36,17 @@ class Daemon:
     socket: Path
     process: subprocess.Popen
     extra_args: list[str] = field(default_factory=list)
+    # Held open for the whole run: a daemon waiting for its mode's turn has no other client, and
+    # its idle timeout would otherwise stop it.
+    client: EngineClient | None = None
 
     async def stats(self) -> dict:
-        client = EngineClient(socket_path=self.socket)
-        try:
-            return await client.request("stats")
-        finally:
-            await client.close()
+        if self.client is None:
+            self.client = EngineClient(socket_path=self.socket)
+        return await self.client.request("stats")
 
     async def stop(self, timeout_s: float = 20.0) -> None:
-        client = EngineClient(socket_path=self.socket)
+        client = self.client or EngineClient(socket_path=self.socket)
         try:
             await client.request("shutdown")
             await client.close()
@@ -93,6 +94,7 @@ async def wait_ready(daemon: Daemon, timeout_s: float = 300.0) -> dict:
         try:
             return await daemon.stats()
         except (EngineUnavailable, OSError):
+            daemon.client = None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine on {daemon.socket} did not start in {timeout_s:.0f} s")
             await asyncio.sleep(0.2)

@@ -81,18 +81,18 @@ def plot_compare(result: dict, out: Path) -> list[Path]:
     editors = result["config"]["editors"]
     fig, axes = plt.subplots(1, len(editors), figsize=(6 * len(editors), 4.2), squeeze=False)
     for ax, editor in zip(axes[0], editors):
-        for mode in result["config"]["modes"]:
+        for color, mode in enumerate(result["config"]["modes"]):
             for metric, style in (("first_token_ms", "-"), ("ghost_ms", "--")):
                 rows = [r for r in records if r["mode"] == mode and r["editor"] == editor]
                 vals = sorted(r[metric] for r in rows if r[metric] is not None and
                               (r["outcome"] == "shown" if metric == "ghost_ms" else r["outcome"] != "cancelled"))
                 if vals:
-                    ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], style,
-                            label=f"{mode} {'first token' if metric == 'first_token_ms' else 'ghost text'}")
+                    # Steps with markers: a mode with a handful of answers still shows every one.
+                    ax.step([0.0] + vals, [0.0] + [(i + 1) / len(vals) for i in range(len(vals))], style,
+                            where="post", marker=".", color=f"C{color}", label=f"{mode} {'first token' if metric == 'first_token_ms' else 'ghost text'}")
         ax.set_title(f"{editor}: keystroke → first token / ghost text")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
-        ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
