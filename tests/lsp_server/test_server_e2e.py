@@ -223,3 +223,20 @@ async def test_engine_killed_mid_request_gives_empty_then_recovers(lsp):
     result = await inline(lsp, 9, 4)
     assert isinstance(result.items, (list, tuple)) and (await status(lsp))["engine_calls"] == calls + 1
     assert await engine_pid(lsp.test_env) != pid
+
+
+async def test_suggestions_inside_auto_closed_brackets_keep_the_line_balanced(lsp):
+    text = PY.replace("            result.append(os.path.join(root, name))",
+                      "            result.append(os.path.join()")  # the editor auto-closed "("
+    text = text.replace("        return len(f.readlines())", "        return len(f.read())")
+    open_doc(lsp, text)
+    lines = text.split("\n")
+    cases = [(i, lines[i].index("join(") + len("join(")) for i, l in enumerate(lines) if "join()" in l]
+    cases += [(i, lines[i].index("len(") + len("len(")) for i, l in enumerate(lines) if "len(f.read())" in l]
+    assert len(cases) == 2
+    for line, char in cases:
+        result = await inline(lsp, line, char)
+        for item in result.items:
+            completed = lines[line][:char] + item.insert_text.split("\n")[0] + lines[line][char:]
+            # Overlap with the auto-closed ")" is trimmed: no line ends with more closers than openers.
+            assert completed.count("(") >= completed.count(")"), completed
