@@ -8,6 +8,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the latency suite: replays typing through the real server
+        from wd_lsp.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="wd-lsp", description="wd-lsp code-completion language server")
     parser.add_argument("--stdio", action="store_true", help="serve over stdio (the default)")
     parser.add_argument("--tcp", metavar="HOST:PORT", help="serve over TCP instead, for debugging")
