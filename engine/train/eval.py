@@ -1,6 +1,6 @@
 """Evaluate a model folder on the held-out files: FIM completion and bits per byte.
 
-    python -m engine.train.eval --model engine/models/wd-coder-tiny [--files 200] [--json OUT]
+    python -m engine.train.eval --model engine/models/wd-coder-tiny [--files 100] [--json OUT]
 
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
 stop at end of middle), greedy, in PSM and SPM order; exact match and edit similarity. Bits per
