@@ -29,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.fim_prefix is not None or args.fim_suffix is not None:
             prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", args.fim_order)
         elif args.prompt is not None:
-            prompt_ids = tokenizer.encode(args.prompt)
+            prompt_ids = tokenizer.encode_prompt(args.prompt)
         else:
             print("wd-engine generate: give --prompt TEXT or --fim-prefix/--fim-suffix", file=sys.stderr)
             return 2

@@ -36,6 +36,20 @@ def supported_fim_orders(model_dir: str | Path) -> tuple[str, ...]:
     return ("psm",)
 
 
+def uses_repo_context(model_dir: str | Path) -> bool:
+    """Whether the model was trained with repository context (`<|file_sep|>path` blocks before
+    the FIM body, as Qwen2.5/3-Coder were): `repo_context` in tokenizer_config.json, else whether
+    its vocabulary has `<|repo_name|>`. A model without it gets the bare FIM body: text it never
+    saw in training only confuses it."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        if "repo_context" in cfg:
+            return bool(cfg["repo_context"])
+    tokenizer_json = Path(model_dir) / "tokenizer.json"
+    return tokenizer_json.is_file() and '"<|repo_name|>"' in tokenizer_json.read_text()
+
+
 def build_completion_prompt(
     tokenizer,
     prefix: str,
@@ -45,8 +59,11 @@ def build_completion_prompt(
     order: str = "psm",
     max_prompt_tokens: int = 2048,
     max_suffix_tokens: int = 256,
+    repo_context: bool = True,
 ) -> list[int]:
     pre, suf, mid = fim_token_ids(tokenizer)
+    if not repo_context:
+        chunks, path = (), None
     prefix_ids = tokenizer.encode(prefix)
     suffix_ids = tokenizer.encode(suffix)[:max_suffix_tokens]
     header: list[int] = []

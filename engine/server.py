@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import protocol as P
-from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders
+from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders, uses_repo_context
 from engine.scheduler import Engine, Request
 
 log = logging.getLogger("wd_engine")
@@ -64,6 +64,7 @@ class EngineServer:
         self.model_dir = Path(model_dir)
         self.options = options
         self.fim_orders = supported_fim_orders(model_dir)
+        self.repo_context = uses_repo_context(model_dir)
         self.connections: set[_Connection] = set()
         self.started = time.monotonic()
         self.last_client_seen = time.monotonic()
@@ -238,12 +239,13 @@ class EngineServer:
     def _build_prompt(self, p: P.CompletionParams) -> list[int]:
         tokenizer = self.engine.tokenizer
         if p.prompt is not None:
-            return tokenizer.encode(p.prompt)
+            return tokenizer.encode_prompt(p.prompt)
         order = p.fim_order if p.fim_order != "auto" else ("spm" if "spm" in self.fim_orders else "psm")
         context = self.engine.model.config.max_position_embeddings
         budget = min(self.options.max_prompt_tokens, context - max(p.max_tokens, 1) - 1)
         chunks = [ContextChunk(c["path"], c["text"]) for c in p.chunks]
-        return build_completion_prompt(tokenizer, p.prefix, p.suffix, chunks, p.path, order, max_prompt_tokens=budget)
+        return build_completion_prompt(tokenizer, p.prefix, p.suffix, chunks, p.path, order, max_prompt_tokens=budget,
+                                       repo_context=self.repo_context)
 
     async def _complete(self, conn: _Connection, rid, params: dict, warm: bool) -> None:
         try:

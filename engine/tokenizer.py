@@ -13,7 +13,13 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
-    def __init__(self, backend: _HFTokenizer, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, backend: _HFTokenizer, eos_ids: tuple[int, ...] = (), prompt_backend=None):
+        # Two encoders. `encode` reads "<|endoftext|>" typed in a user's file as text, not as a
+        # control token: in completion prompts special tokens enter only by id (engine.fim), so
+        # file contents can't steer the model. `encode_prompt` keeps them, for raw prompts whose
+        # author writes the special tokens on purpose (CLI --prompt, OpenAI-style clients).
+        self.prompt_backend = prompt_backend or backend
+        backend.encode_special_tokens = True
         self.backend = backend
         self.eos_ids = eos_ids
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -24,8 +30,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelFormatError(f"no tokenizer.json in {model_dir}")
-        backend = _HFTokenizer.from_file(str(path))
-        tokenizer = cls(backend)
+        tokenizer = cls(_HFTokenizer.from_file(str(path)), prompt_backend=_HFTokenizer.from_file(str(path)))
         eos = list(extra_eos_ids)
         eos += _eos_from_json(model_dir / "generation_config.json", "eos_token_id")
         cfg_path = model_dir / "tokenizer_config.json"
@@ -40,6 +45,9 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.prompt_backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
