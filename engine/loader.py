@@ -33,7 +33,9 @@ def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    experts: range | None = None,
 ) -> Qwen3MoeModel:
+    """`experts`: load only these experts of each MoE layer (expert parallelism, `engine.parallel`)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelFormatError(f"model folder {model_dir} does not exist")
@@ -60,7 +62,7 @@ def load_model(
             b_qkv = torch.cat([get(attn + "q_proj.bias", hq), get(attn + "k_proj.bias", hkv), get(attn + "v_proj.bias", hkv)])
             b_o = get(attn + "o_proj.bias", h) if attn + "o_proj.bias" in reader else None
         if config.is_moe_layer(i):
-            w_gate_up, w_down = _load_experts(get, reader, p + "mlp.", config)
+            w_gate_up, w_down = _load_experts(get, reader, p + "mlp.", config, experts)
             router = get(p + "mlp.gate.weight", config.num_experts, h)
         else:
             inter = config.intermediate_size
@@ -88,12 +90,17 @@ def load_model(
     return Qwen3MoeModel(config, embed, layers, final_norm, lm_head)
 
 
-def _load_experts(get, reader: CheckpointReader, prefix: str, config: ModelConfig):
+def _load_experts(get, reader: CheckpointReader, prefix: str, config: ModelConfig, experts: range | None = None):
     e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    experts = range(e) if experts is None else experts
     if prefix + "experts.gate_up_proj" in reader:
-        return get(prefix + "experts.gate_up_proj", e, 2 * inter, h), get(prefix + "experts.down_proj", e, h, inter)
+        gate_up, down = get(prefix + "experts.gate_up_proj", e, 2 * inter, h), get(prefix + "experts.down_proj", e, h, inter)
+        if len(experts) == e:
+            return gate_up, down
+        # Fused on disk: read whole, keep the slice (cloned, so the rest is freed).
+        return gate_up[experts.start : experts.stop].clone(), down[experts.start : experts.stop].clone()
     gate_up, down = [], []
-    for n in range(e):
+    for n in experts:
         ex = f"{prefix}experts.{n}."
         gate_up.append(torch.cat([get(ex + "gate_proj.weight", inter, h), get(ex + "up_proj.weight", inter, h)]))
         down.append(get(ex + "down_proj.weight", h, inter))

@@ -54,6 +54,9 @@ class Qwen3MoeModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.moe_path = "auto"
+        # Replaces the MoE path when set (same arguments as `kernels.reference.moe_*`); expert
+        # parallelism (`engine.parallel`) sets it, since its layers hold only the local experts.
+        self.moe_fn = None
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
 
     def new_cache(self, batch: int, capacity: int = 256) -> KVCache:
@@ -109,6 +112,8 @@ class Qwen3MoeModel:
         cfg = self.config
         route = dispatch.route if x.is_cuda else ref.route  # fused Triton router on CUDA
         topk_ids, topk_weights = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if self.moe_fn is not None:
+            return self.moe_fn(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
         return self._moe_fn(x.shape[0] * cfg.num_experts_per_tok, x.device)(
             x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights
         )
