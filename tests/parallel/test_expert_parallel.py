@@ -1,5 +1,6 @@
 """Expert parallelism on the CPU (gloo): every rank's logits and tokens match the single process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,19 @@ def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected and expected
+
+
+def test_bench_on_random_weights_runs_on_uneven_ranks():
+    """The multi-GPU measuring command, at a tiny shape on 3 CPU ranks (8 experts: 3 + 3 + 2)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         "-m", "engine.parallel", "--random-shape", "tiny", "--bench", "--device", "cpu"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # rank 0 alone prints
+    assert report["world_size"] == 3 and [r["batch"] for r in report["results"]] == [1, 8]
+    assert all(r["tok_s"] > 0 for r in report["results"])
 
 
 @pytest.mark.parametrize("num_experts, world", [(8, 2), (8, 3), (5, 8), (128, 3)])
