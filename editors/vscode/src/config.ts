@@ -15,6 +15,8 @@ export interface ServerSettings {
   multiline: 'auto' | 'single' | 'multi';
   enabledLanguages: string[];
   temperature: number;
+  backend?: 'engine' | 'openai';
+  openai?: { baseUrl?: string; apiKey?: string; model?: string; fim?: 'template' | 'suffix' };
 }
 
 /** How to start the server process; client-side only, never sent to the server. */
@@ -45,6 +47,15 @@ export function serverSettings(get: Getter): ServerSettings {
     if (value !== null) engine[key] = value;
   }
   const model = optString(get('model'));
+  // An OpenAI-compatible server (vLLM, SGLang, llama.cpp) instead of the resident engine.
+  const backend = get('backend') === 'openai' ? 'openai' : null;
+  const openai: NonNullable<ServerSettings['openai']> = {};
+  for (const key of ['baseUrl', 'apiKey', 'model'] as const) {
+    const value = optString(get(`openai.${key}`));
+    if (value !== null) openai[key] = value;
+  }
+  const fim = get('openai.fim');
+  if (fim === 'template' || fim === 'suffix') openai.fim = fim;
   return {
     enabled: get('enabled') !== false,
     ...(model !== null ? { model } : {}),
@@ -57,6 +68,8 @@ export function serverSettings(get: Getter): ServerSettings {
         ? languages.filter((l): l is string => typeof l === 'string')
         : ['*'],
     temperature: num(get('temperature'), 0, 0),
+    ...(backend !== null ? { backend } : {}),
+    ...(Object.keys(openai).length > 0 ? { openai } : {}),
   };
 }
 
@@ -85,5 +98,5 @@ export function configurationPayload(settings: ServerSettings): { settings: { wd
 export function needsRestart(previous: ServerSettings, next: ServerSettings): boolean {
   const dropped = (a: object | undefined, b: object | undefined) =>
     Object.keys(a ?? {}).some((k) => !(k in (b ?? {})));
-  return dropped(previous, next) || dropped(previous.engine, next.engine);
+  return dropped(previous, next) || dropped(previous.engine, next.engine) || dropped(previous.openai, next.openai);
 }

@@ -70,3 +70,15 @@ test('unset keys are left out, and removing one asks for a restart', () => {
   assert.equal(needsRestart(withModel, serverSettings(from({ model: '/m' }))), true);
   assert.equal(needsRestart(withModel, serverSettings(from({ model: '/m', 'engine.socket': '/s', maxTokens: 9 }))), false);
 });
+
+test('an OpenAI-compatible backend is forwarded only when chosen', () => {
+  const s = serverSettings(
+    from({ backend: 'openai', 'openai.baseUrl': 'http://gpu:8000/v1', 'openai.apiKey': ' k ', 'openai.fim': 'suffix' }),
+  );
+  assert.equal(s.backend, 'openai');
+  assert.deepEqual(s.openai, { baseUrl: 'http://gpu:8000/v1', apiKey: 'k', fim: 'suffix' });
+  const plain = serverSettings(from({ backend: 'engine', 'openai.fim': 'nonsense' }));
+  assert.equal(plain.backend, undefined);
+  assert.equal(plain.openai, undefined);
+  assert.equal(needsRestart(s, plain), true);
+});
