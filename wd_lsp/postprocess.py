@@ -148,11 +148,18 @@ def balance_brackets(text: str, prefix: str, line_suffix: str, language: str = "
     suffix already closes (auto-closed pairs).
     """
     context = open_brackets("\n".join(prefix.split("\n")[-CONTEXT_LINES:]), language)
+    # What the rest of the line closes is not ours to close: `len(|f.read())` closes `len(`.
+    suffix_own: list[str] = []
     for _, c in scan_brackets(line_suffix.split("\n")[0], language):
-        if c in CLOSERS and context and context[-1] == CLOSERS[c]:
-            context.pop()
-        elif c in OPENERS:
-            break
+        if c in OPENERS:
+            suffix_own.append(c)
+        elif c in CLOSERS:
+            if suffix_own and suffix_own[-1] == CLOSERS[c]:
+                suffix_own.pop()
+            elif context and context[-1] == CLOSERS[c]:
+                context.pop()
+            else:
+                break
     own: list[str] = []
     for i, c in scan_brackets(text, language):
         if c in OPENERS:

@@ -50,6 +50,8 @@ def test_trim_suffix_overlap(line_prefix, completion, line_suffix, expected):
         ("x = (", "a + [b)", "", "a + [b"),  # mismatched closer
         ("s = ", '"(" + x', "", '"(" + x'),  # brackets in strings do not count
         ("def f():\n    if (", "a and b):", "", "a and b):"),
+        ("return len(", "path)", "f.read())", "path"),  # the rest of the line closes len(
+        ("return len(", "path.", "f.read())", "path."),
     ],
 )
 def test_balance_brackets(prefix, completion, line_suffix, expected):

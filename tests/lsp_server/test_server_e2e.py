@@ -226,17 +226,18 @@ async def test_engine_killed_mid_request_gives_empty_then_recovers(lsp):
 
 
 async def test_suggestions_inside_auto_closed_brackets_keep_the_line_balanced(lsp):
-    text = PY.replace("            result.append(os.path.join(root, name))",
-                      "            result.append(os.path.join()")  # the editor auto-closed "("
-    text = text.replace("        return len(f.readlines())", "        return len(f.read())")
-    open_doc(lsp, text)
-    lines = text.split("\n")
-    cases = [(i, lines[i].index("join(") + len("join(")) for i, l in enumerate(lines) if "join()" in l]
-    cases += [(i, lines[i].index("len(") + len("len(")) for i, l in enumerate(lines) if "len(f.read())" in l]
-    assert len(cases) == 2
-    for line, char in cases:
-        result = await inline(lsp, line, char)
+    # One edit per document: an unclosed bracket elsewhere would legitimately allow a closer.
+    cases = [("            result.append(os.path.join(root, name))", "            result.append(os.path.join()", "join("),
+             ("        return len(f.readlines())", "        return len(f.read())", "len(")]
+    for n, (old, new, before_cursor) in enumerate(cases):
+        text = PY.replace(old, new)  # the editor auto-closed "(" after the user typed it
+        uri = f"file:///project/brackets{n}.py"
+        open_doc(lsp, text, uri=uri)
+        lines = text.split("\n")
+        line = next(i for i, l in enumerate(lines) if l == new)
+        char = new.index(before_cursor) + len(before_cursor)
+        result = await inline(lsp, line, char, uri=uri)
         for item in result.items:
             completed = lines[line][:char] + item.insert_text.split("\n")[0] + lines[line][char:]
-            # Overlap with the auto-closed ")" is trimmed: no line ends with more closers than openers.
+            # No suggestion closes what the rest of the line (or the auto-closed ")") closes.
             assert completed.count("(") >= completed.count(")"), completed
