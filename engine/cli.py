@@ -16,6 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.fim import FimUnsupported, build_fim_prompt
     from engine.generate import PromptTooLong, generate
     from engine.loader import load_model
+    from engine.prompt_layout import supported_fim_orders
     from engine.tokenizer import Tokenizer
 
     model_dir = args.model or default_model_dir()
@@ -27,7 +28,10 @@ def _generate(args: argparse.Namespace) -> int:
         if args.moe_path:
             model.moe_path = args.moe_path
         if args.fim_prefix is not None or args.fim_suffix is not None:
-            prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", args.fim_order)
+            order = args.fim_order
+            if order == "auto":  # the model's cache-friendly suffix-first order when it was trained with it
+                order = "spm" if "spm" in supported_fim_orders(model_dir) else "psm"
+            prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", order)
         elif args.prompt is not None:
             prompt_ids = tokenizer.encode_prompt(args.prompt)
         else:
@@ -53,6 +57,9 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     if args.stats:
         s = stream.stats
+        if stream.text and not stream.text.endswith("\n") and not args.newline:
+            sys.stdout.write("\n")  # keep the timings off the completion's last line
+            sys.stdout.flush()
         print(
             f"[load {load_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, prefill {s.prefill_s * 1000:.1f} ms | "
             f"{s.completion_tokens} tok, decode {s.decode_tokens_per_s:.1f} tok/s | finish: {s.finish_reason}]",
@@ -151,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="plain text prompt")
     gen.add_argument("--fim-prefix", help="text before the cursor (builds a FIM prompt)")
     gen.add_argument("--fim-suffix", help="text after the cursor (builds a FIM prompt)")
-    gen.add_argument("--fim-order", choices=("psm", "spm"), default="psm")
+    gen.add_argument("--fim-order", choices=("auto", "psm", "spm"), default="auto",
+                     help="auto: suffix-first (spm) when the model declares it, else psm")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -31,6 +31,10 @@ class EngineUnavailable(ConnectionError):
     """The daemon can't be reached or died mid-request."""
 
 
+class SpawnFailed(EngineUnavailable):
+    """The daemon could not be started; retrying at once would only start another."""
+
+
 class EngineError(RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
@@ -117,6 +121,8 @@ class EngineClient:
                     return self.server_info
                 try:
                     return await self._connect_once()
+                except SpawnFailed:
+                    raise
                 except EngineUnavailable:
                     if attempt == attempts - 1:
                         raise
@@ -300,11 +306,12 @@ def spawn_daemon(path: Path, config: SpawnConfig, on_progress: Callable[[str], N
         next_report = started + 1.0
         while not _listening(path):
             if process.poll() is not None:
-                raise EngineUnavailable(f"the engine exited with code {process.returncode} while starting; "
-                                        f"see {paths.log_path()}")
+                raise SpawnFailed(f"the engine exited with code {process.returncode} while starting; "
+                                  f"see {paths.log_path()}")
             now = time.monotonic()
             if now - started > config.ready_timeout_s:
-                raise EngineUnavailable(f"the engine did not start within {config.ready_timeout_s:.0f} s")
+                process.kill()  # never leave a half-started engine holding memory
+                raise SpawnFailed(f"the engine did not start within {config.ready_timeout_s:.0f} s")
             if now >= next_report:
                 on_progress(f"loading the model ({now - started:.0f} s)")
                 next_report = now + 1.0

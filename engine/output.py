@@ -28,6 +28,9 @@ class OutputAssembler:
         if token_id in self.eos_ids:
             self.finish_reason = "eos"
             return self._close()
+        if len(self.token_ids) >= self.max_tokens:  # a budget of 0 releases nothing
+            self.finish_reason = "length"
+            return self._close()
         self.token_ids.append(token_id)
         delta = self.stop.feed(self.decoder.push(token_id))
         if self.stop.stopped:

@@ -123,8 +123,8 @@ class CompletionParams:
                 raise ValueError(f"'{name}' must be a number in [{lo}, {hi}]")
         if p.top_p == 0.0:
             raise ValueError("'top_p' must be above 0")
-        if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or p.seed < 0):
-            raise ValueError("'seed' must be a non-negative integer")
+        if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
+            raise ValueError("'seed' must be an integer in [0, 2**63)")
         if not isinstance(p.stop, (list, tuple)) or not all(isinstance(s, str) for s in p.stop) or len(p.stop) > 16:
             raise ValueError("'stop' must be a list of at most 16 strings")
         if not isinstance(p.chunks, (list, tuple)) or not all(

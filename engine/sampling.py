@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 
 
+# Below this a temperature is greedy for all practical purposes, and dividing by it overflows.
+GREEDY_BELOW = 1e-5
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -12,7 +16,7 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy (ties go to the lowest id)."""
-    if temperature <= 0.0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:

@@ -162,7 +162,17 @@ class Engine:
                     self._lock.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - last line of defence: fail what runs, keep serving
+                log.exception("engine step failed outside the model")
+                for a in list(self.running) + list(self.waiting):
+                    self._fail(a, "engine error: internal failure, see the engine log")
+
+    @property
+    def alive(self) -> bool:
+        thread = getattr(self, "_thread", None)
+        return thread is None or thread.is_alive()
 
     def stop(self) -> None:
         with self._lock:
@@ -172,6 +182,7 @@ class Engine:
     def start_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self.run_forever, name="wd-engine-loop", daemon=True)
         thread.start()
+        self._thread = thread
         return thread
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
@@ -235,8 +246,13 @@ class Engine:
         for a in list(self.waiting):
             try:
                 admitted = self._try_admit(a)
-            except PoolFull as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
+                if not isinstance(exc, PoolFull):
+                    log.exception("request %s could not be admitted", a.request.id)
                 self.waiting.remove(a)
+                if a.table is not None:
+                    a.table.free()
+                    a.table = None
                 self._emit(a, Event(a.request.id, "error", error=str(exc)))
                 self.counters["failed"] += 1
                 continue
@@ -259,6 +275,10 @@ class Engine:
             raise PoolFull(
                 f"request needs {needed} KV blocks ({total} tokens) but the pool has {self.allocator.num_blocks}"
             )
+        if not req.warm_only:  # built before any block is taken, so a bad seed leaks nothing
+            a.output = OutputAssembler(self.tokenizer, total - len(prompt), req.stop, req.stop_at_eos)
+            if req.seed is not None:
+                a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
         # Keep at least the last prompt token to compute: its logits give the first new token.
         shared = self.allocator.match_prefix(prompt, max_tokens=len(prompt) - 1) if self.prefix_cache else []
         fresh = needed - len(shared)
@@ -274,10 +294,6 @@ class Engine:
         a.started = time.monotonic()
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cache_hit_tokens"] += a.cached
-        if not req.warm_only:
-            a.output = OutputAssembler(self.tokenizer, total - len(prompt), req.stop, req.stop_at_eos)
-            if req.seed is not None:
-                a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
         return True
 
     def _preempt_warms(self, wanted: int) -> None:

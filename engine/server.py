@@ -24,6 +24,9 @@ from engine.scheduler import Engine, Request
 
 log = logging.getLogger("wd_engine")
 
+# Markers in a connection's request table for a request whose prompt is still being built.
+PENDING, CANCELLED = "<pending>", "<cancelled>"
+
 
 @dataclass
 class ServeOptions:
@@ -85,6 +88,8 @@ class EngineServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        bound = path.stat()
+        self._socket_identity = (bound.st_dev, bound.st_ino)
         self.servers.append(unix)
         if self.options.tcp_port is not None:
             host = self.options.tcp_host or "127.0.0.1"
@@ -111,10 +116,7 @@ class EngineServer:
             if self.http is not None:
                 await self.http.stop()
             self.engine.stop()
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+            remove_own_socket(path, self._socket_identity)
             log.info("engine stopped")
 
     async def drain_and_stop(self, why: str) -> None:
@@ -136,6 +138,10 @@ class EngineServer:
     async def _idle_watchdog(self) -> None:
         while True:
             await asyncio.sleep(min(5.0, max(0.1, self.options.idle_timeout_s / 4)))
+            if not self.engine.alive:  # should never happen; if it does, exit so clients respawn us
+                log.error("the engine loop died; stopping so that the next client starts a fresh engine")
+                await self.drain_and_stop("engine loop died")
+                return
             if self.connections:
                 self.last_client_seen = time.monotonic()
             elif time.monotonic() - self.last_client_seen > self.options.idle_timeout_s:
@@ -170,7 +176,8 @@ class EngineServer:
             log.exception("connection %d failed", conn.number)
         finally:
             for engine_id in conn.requests.values():
-                self.engine.cancel(engine_id, "disconnected")
+                if engine_id not in (PENDING, CANCELLED):
+                    self.engine.cancel(engine_id, "disconnected")
             for task in conn.tasks:
                 task.cancel()
             self.connections.discard(conn)
@@ -199,8 +206,14 @@ class EngineServer:
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
         elif method == "cancel":
-            target = conn.requests.get(params.get("id"))
-            if target is not None:
+            target_id = params.get("id")
+            if not isinstance(target_id, (int, str)) or isinstance(target_id, bool):
+                await conn.send(P.error_message(rid, P.BAD_REQUEST, "'id' to cancel must be an integer or a string"))
+                return True
+            target = conn.requests.get(target_id)
+            if target == PENDING:
+                conn.requests[target_id] = CANCELLED  # still building its prompt: never submitted
+            elif target is not None:
                 self.engine.cancel(target)
             await conn.send({"id": rid, "result": {"cancelled": target is not None}})
         elif method == "stats":
@@ -248,11 +261,17 @@ class EngineServer:
                                        repo_context=self.repo_context)
 
     async def _complete(self, conn: _Connection, rid, params: dict, warm: bool) -> None:
+        conn.requests[rid] = PENDING  # a cancel may arrive while the prompt is being built
         try:
             p = P.CompletionParams.from_params(params)
             prompt_ids = await asyncio.to_thread(self._build_prompt, p)
         except Exception as exc:  # noqa: BLE001 - bad parameters are the client's error
+            conn.requests.pop(rid, None)
             await conn.send(P.error_message(rid, P.BAD_REQUEST, str(exc)))
+            return
+        if conn.requests.get(rid) == CANCELLED:
+            conn.requests.pop(rid, None)
+            await conn.send({"id": rid, "result": {"finish_reason": "cancelled", "usage": None}})
             return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -284,7 +303,7 @@ class EngineServer:
             conn.requests.pop(rid, None)
 
     def _health(self) -> dict:
-        return dict(ok=not self.draining, pid=os.getpid(), version=P.PROTOCOL_VERSION,
+        return dict(ok=not self.draining and self.engine.alive, pid=os.getpid(), version=P.PROTOCOL_VERSION,
                     uptime_s=round(time.monotonic() - self.started, 3), clients=len(self.connections))
 
     def _model_info(self) -> dict:
@@ -296,6 +315,17 @@ class EngineServer:
             dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
             kv_block_size=self.engine.block_size,
         )
+
+
+def remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
+    """Unlink the socket only if it is still the one this daemon bound: while it drained, a
+    successor may have replaced the path, and deleting that one would strand the new engine."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return
+    if (info.st_dev, info.st_ino) == identity:
+        path.unlink(missing_ok=True)
 
 
 def prepare_socket_path(path: Path) -> None:

@@ -19,6 +19,7 @@ from .shape import StopRules, apply_stop_rules
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 0.3
+CLIENT_GRACE_S = 2.0  # beyond the request's own deadline, before the server gives up on the engine
 
 
 @dataclass
@@ -84,9 +85,11 @@ class EngineLink:
         started = time.monotonic()
         first_token_ms = None
         text, stopped = "", False
+        stream: CompletionStream | None = None
         try:
-            stream: CompletionStream = await client.complete(params)
-            try:
+            # The engine enforces the deadline itself; this bound covers an engine that hangs.
+            async with asyncio.timeout(s.request_timeout_ms / 1000 + CLIENT_GRACE_S):
+                stream = await client.complete(params)
                 async for delta in stream:
                     if first_token_ms is None:
                         first_token_ms = 1000 * (time.monotonic() - started)
@@ -96,9 +99,15 @@ class EngineLink:
                         text = kept
                         await stream.cancel()
                         break
-            except asyncio.CancelledError:
+        except asyncio.CancelledError:
+            if stream is not None:
                 await asyncio.shield(stream.cancel())
-                raise
+            raise
+        except TimeoutError as exc:
+            if stream is not None:
+                await asyncio.shield(stream.cancel())
+            log.error("the engine did not answer within %.1f s", s.request_timeout_ms / 1000 + CLIENT_GRACE_S)
+            raise EngineError("timeout", "the engine did not answer in time") from exc
         except EngineUnavailable as exc:
             self._report_failure(exc)
             raise
@@ -116,14 +125,18 @@ class EngineLink:
         return await self.client.request("stats")
 
     async def restart(self) -> None:
-        """Stop the engine (it drains) and connect again, which starts a fresh one."""
-        if self.client is not None and self.client.connected:
+        """Stop the engine (it drains) and connect again, which starts a fresh one. An engine
+        this server cannot start again (TCP, or autoStart off) is shared: only reconnect."""
+        can_spawn = not self.settings.engine.tcp and self.settings.engine.auto_start
+        if can_spawn and self.client is not None and self.client.connected:
             try:
                 await self.client.request("shutdown")
             except (EngineUnavailable, EngineError):
                 pass
             await self.client.close()
             await asyncio.sleep(0.2)
+        elif self.client is not None:
+            self.client.disconnect()
         self.client = None
         await self.ensure_connected()
 

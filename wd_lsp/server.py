@@ -137,7 +137,9 @@ class WdLanguageServer(LanguageServer):
         if previous is not None and not previous.done():
             previous.cancel()
             self.counters["superseded"] += 1
-        task = asyncio.ensure_future(self._complete_at(doc, offset, started))
+        # The text this request is about: an edit during the debounce or the engine call makes
+        # the answer stale (its offset and cursor would point into changed text).
+        task = asyncio.ensure_future(self._complete_at(doc, offset, started, doc.generation))
         self.inflight[uri] = task
         try:
             text = await task
@@ -156,11 +158,12 @@ class WdLanguageServer(LanguageServer):
         self.memory.remember(uri, doc.text[:offset], offset, text)
         return [(text, cursor)]
 
-    async def _complete_at(self, doc, offset: int, started: float) -> str | None:
+    async def _complete_at(self, doc, offset: int, started: float, generation: int) -> str | None:
         s = self.settings
         if s.debounce_ms:
             await asyncio.sleep(s.debounce_ms / 1000)
-        generation = doc.generation
+        if doc.generation != generation:
+            return None  # typed over during the debounce: a newer request is on its way
         ctx = build_context(doc, doc.position_at(offset), open_documents=self.docs.documents(),
                             recent_edits=self.docs.recent_edits(), budget=Budget(), root=self.docs.root)
         rules = decide_shape(ctx, s.multiline, s.max_lines)

@@ -252,3 +252,31 @@ def _wait_gone(pid, timeout=10.0):
             pass
         time.sleep(0.05)
     raise AssertionError(f"engine {pid} still running after {timeout} s")
+
+
+async def test_cancel_with_a_bad_id_is_an_error_not_a_closed_connection(daemon_env):
+    client = make_client(daemon_env)
+    await connect(daemon_env, client)
+    with pytest.raises(EngineError) as err:
+        await client.request("cancel", {"id": [1, 2]})
+    assert err.value.code == P.BAD_REQUEST
+    assert (await client.request("health"))["ok"]
+    await client.close()
+
+
+def test_a_draining_daemon_leaves_its_successors_socket_alone(tmp_path):
+    from engine.server import remove_own_socket
+
+    path = tmp_path / "engine.sock"
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old.bind(str(path))
+    old_identity = (path.stat().st_dev, path.stat().st_ino)
+    path.unlink()  # a successor cleaned the stale file and bound its own
+    new = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    new.bind(str(path))
+    remove_own_socket(path, old_identity)
+    assert path.exists()
+    remove_own_socket(path, (path.stat().st_dev, path.stat().st_ino))
+    assert not path.exists()
+    old.close()
+    new.close()

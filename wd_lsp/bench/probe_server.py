@@ -30,9 +30,9 @@ _engine_complete = EngineLink.complete
 _next_delta = CompletionStream.__anext__
 
 
-async def _probed_complete_at(self, doc, offset, started):
+async def _probed_complete_at(self, doc, offset, started, *args):
     _request.set({"uri": doc.uri, "version": doc.version, "offset": offset})
-    return await _complete_at(self, doc, offset, started)
+    return await _complete_at(self, doc, offset, started, *args)
 
 
 async def _probed_next_delta(self):
