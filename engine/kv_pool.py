@@ -84,6 +84,7 @@ class PagedBatch:
 
     def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
         self.pool = pool
+        self.block_tables = block_tables
         width = max(len(t) for t in block_tables)
         padded = [t + [t[-1]] * (width - len(t)) for t in block_tables]
         self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, blocks]
@@ -121,8 +122,33 @@ class PagedBatch:
             out = paged_decode_attention(q[:, :, 0], pool.keys[layer], pool.values[layer], self._tables_i32,
                                          self._lengths, pool.block_size, *scales)
             return out[:, :, None]
+        if not pool.fp8 and not q.is_cuda:
+            # CPU: read the blocks in place, as runs of consecutive slots (no copy of the cache).
+            slots = self.slot_map.gather(1, positions)
+            pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
+            outs = []
+            for row, table in enumerate(self.block_tables):
+                runs = slot_runs(table, pool.block_size, int(positions[row].max()) + 1)
+                outs.append(ref.attention_over_runs(
+                    q[row], [pool.keys[layer][a:b] for a, b in runs], [pool.values[layer][a:b] for a, b in runs],
+                    positions[row], sliding_window))
+            return torch.stack(outs)
         keys, values = self.write(layer, positions, k, v)
         return ref.attention(q, keys, values, positions, sliding_window=sliding_window)
+
+
+def slot_runs(table: list[int], block_size: int, length: int) -> list[tuple[int, int]]:
+    """[start, end) slot ranges holding positions 0..length-1 of a sequence, consecutive blocks
+    merged: a compacted sequence is one run."""
+    blocks = table[: -(-length // block_size)]
+    runs: list[list[int]] = []
+    for block in blocks:
+        if runs and runs[-1][1] == block * block_size:
+            runs[-1][1] += block_size
+        else:
+            runs.append([block * block_size, (block + 1) * block_size])
+    runs[-1][1] -= len(blocks) * block_size - length  # the last block may be partly filled
+    return [(a, b) for a, b in runs]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

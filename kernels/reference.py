@@ -51,23 +51,60 @@ def attention(
     q [B, Hq, T, D]; k, v [B, Hkv, S, D] with Hq a multiple of Hkv; q_positions [B, T] the
     absolute position of each query (key j sits at position j). kv_len [B] masks keys at or past
     each row's length (ragged batches). Softmax in fp32; output [B, Hq, T, D] in q's dtype.
+    Query head h reads KV head h // (Hq / Hkv), as transformers' repeat_kv does; the query heads
+    of a group are stacked as rows instead of repeating K and V (no copy of the cache).
     """
-    batch, n_q, _, head_dim = q.shape
+    batch, n_q, n_tokens, head_dim = q.shape
     n_kv, seq = k.shape[1], k.shape[2]
     group = n_q // n_kv
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
+    qg = q.reshape(batch, n_kv, group * n_tokens, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))  # [B, Hkv, G*T, S]
     key_pos = torch.arange(seq, device=q.device)
     allowed = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:
         allowed &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
     if kv_len is not None:
         allowed &= key_pos[None, None, :] < kv_len[:, None, None]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    allowed = allowed[:, None, None].expand(batch, 1, group, n_tokens, seq).reshape(batch, 1, group * n_tokens, seq)
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v).reshape(batch, n_q, n_tokens, head_dim)
+
+
+def attention_over_runs(
+    q: torch.Tensor,
+    key_runs: list[torch.Tensor],
+    value_runs: list[torch.Tensor],
+    q_positions: torch.Tensor,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`attention` for one sequence whose keys lie in a few runs of consecutive pool slots.
+
+    q [Hq, T, D]; key_runs / value_runs: views [n_i, Hkv, D] that together hold positions
+    0..S-1 in order (a paged cache's blocks, consecutive ones merged). Reading the pool through
+    views, rather than gathering every block into a new tensor, keeps a decode step's cost from
+    growing with a copy of the whole cache. Returns [Hq, T, D].
+    """
+    n_q, n_tokens, head_dim = q.shape
+    n_kv = key_runs[0].shape[1]
+    group = n_q // n_kv
+    qg = q.reshape(n_kv, group * n_tokens, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    scores = torch.cat([torch.einsum("hmd,nhd->hmn", qg, k) for k in key_runs], dim=-1) * scale
+    seq = scores.shape[-1]
+    key_pos = torch.arange(seq, device=q.device)
+    allowed = key_pos[None, :] <= q_positions[:, None]  # [T, S]
+    if sliding_window is not None:
+        allowed &= key_pos[None, :] > q_positions[:, None] - sliding_window
+    allowed = allowed[None].expand(group, n_tokens, seq).reshape(1, group * n_tokens, seq)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    out = None
+    start = 0
+    for v in value_runs:
+        part = torch.einsum("hmn,nhd->hmd", probs[..., start : start + v.shape[0]], v)
+        out = part if out is None else out + part
+        start += v.shape[0]
+    return out.reshape(n_q, n_tokens, head_dim)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):

@@ -228,3 +228,11 @@ def test_prefix_cache_can_be_switched_off(tiny):
     _, done = run(engine, Request(prompt, max_tokens=1))
     assert done.usage["cached_tokens"] == 0 and engine.stats()["prefix_cache"] is False
     assert engine.stats()["blocks_evictable"] == 0 and engine.stats()["blocks_used"] == 0
+
+
+def test_slot_runs_merge_consecutive_blocks():
+    from engine.kv_pool import slot_runs
+
+    assert slot_runs([3, 4, 5], 4, 10) == [(12, 22)]
+    assert slot_runs([3, 7, 8, 2], 4, 16) == [(12, 16), (28, 36), (8, 12)]
+    assert slot_runs([3, 7], 4, 5) == [(12, 16), (28, 29)]
