@@ -68,6 +68,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def kv_pool_bytes(requested_mb: int | None, device) -> int:
+    """The KV pool's size: as asked, else 256 MB on the CPU (tens of thousands of tokens for small
+    models) or half of the GPU memory left after the weights (a 30B MoE caches ~100 KB a token)."""
+    if requested_mb is not None:
+        return requested_mb << 20
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return 256 << 20
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -98,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"wd-engine: cannot load model {model_dir}: {exc}", file=sys.stderr)
         return 1
     engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
-                    kv_memory_bytes=args.kv_memory_mb << 20, prefill_chunk=args.prefill_chunk,
+                    kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device), prefill_chunk=args.prefill_chunk,
                     salt=f"{model_dir.resolve()}:{model.dtype}", prefix_cache=not args.no_prefix_cache)
     token = None
     if args.tcp_port is not None:
@@ -187,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)")
     serve.add_argument("--http-token-file", help="file holding the HTTP bearer token "
                        "(default: $WD_ENGINE_HTTP_TOKEN, or a new one written to http.token in the runtime dir)")
-    serve.add_argument("--kv-memory-mb", type=int, default=256, help="KV block pool size")
+    serve.add_argument("--kv-memory-mb", type=int,
+                       help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
