@@ -84,7 +84,6 @@ def kv_pool_bytes(requested_mb: int | None, device) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
-    import os
     from pathlib import Path
 
     from engine import paths

@@ -149,35 +149,27 @@ class EngineClient:
         try:
             self.server_info = await self._call("hello", hello)
         except BaseException:
-            await self._drop_connection()
+            self.disconnect()
             raise
         return self.server_info
 
-    def disconnect(self) -> None:
-        """Close without waiting (e.g. while the process is exiting)."""
+    def disconnect(self, reason: str = "connection closed") -> None:
+        """Close without waiting (e.g. while the process is exiting); pending requests fail."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
-        if self._reader_task is not None:
+        if self._reader_task is not None and self._reader_task is not _current_task():
             self._reader_task.cancel()
-        self._fail_pending(EngineUnavailable("disconnected"))
+        self._fail_pending(EngineUnavailable(reason))
 
     async def close(self) -> None:
         writer = self._writer
-        await self._drop_connection()
+        self.disconnect()
         if writer is not None:
             try:
                 await writer.wait_closed()  # the daemon sees the client gone only once this is flushed
             except (ConnectionError, OSError):
                 pass
-
-    async def _drop_connection(self, reason: str = "connection closed") -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
-            self._reader_task.cancel()
-        self._fail_pending(EngineUnavailable(reason))
 
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
@@ -213,7 +205,7 @@ class EngineClient:
                 await self._writer.drain()
         except (ConnectionError, OSError, AttributeError) as exc:
             self._pending.pop(request_id, None)
-            await self._drop_connection()
+            self.disconnect()
             raise EngineUnavailable(f"engine connection lost: {exc}") from exc
         return request_id, queue
 
@@ -265,6 +257,13 @@ async def _in_daemon_thread(fn, *args):
 
     threading.Thread(target=work, name="wd-engine-spawn", daemon=True).start()
     return await done
+
+
+def _current_task():
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # called with no running loop (an exiting process)
+        return None
 
 
 def _listening(path: Path) -> bool:

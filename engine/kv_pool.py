@@ -77,9 +77,8 @@ class KVPool:
 class PagedBatch:
     """The model's cache argument for one forward over several sequences' block tables.
 
-    Same contract as the contiguous `KVCache`: `write` stores this step's K/V at the tokens'
-    positions and returns every key/value each row may attend to (rows padded to the longest;
-    causal masking by position hides the padding).
+    Same contract as the contiguous `KVCache`: `attend` stores this step's K/V at the tokens'
+    positions, then runs causal attention over every key each row may see.
     """
 
     def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
@@ -92,29 +91,25 @@ class PagedBatch:
         offsets = torch.arange(bs, device=device)
         self.slot_map = (self.tables[:, :, None] * bs + offsets).reshape(len(block_tables), -1)  # [B, blocks*bs]
         self.kv_len = 0
-        self._tables_i32 = self._lengths = None  # built once per forward, shared by the layers
+        # Built at the first layer and shared by the rest: every layer sees the same positions.
+        self._tables_i32 = self._lengths = self._row_runs = None
 
     def reserve(self, length: int) -> None:
         if length > self.slot_map.shape[1]:
             raise AssertionError(f"block table covers {self.slot_map.shape[1]} tokens, forward needs {length}")
         self.kv_len = length
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        slots = self.slot_map.gather(1, positions)  # [B, T]
-        self.pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
-        return self.pool.read(layer, self.slot_map[:, : self.kv_len])
-
     def attend(self, layer, positions, q, k, v, sliding_window=None):
         """Store this step's K/V in the pool, then causal attention of q [B, Hq, T, D].
 
-        Decode steps on CUDA read the blocks in place (Triton paged attention); everything else
-        gathers each row's blocks and runs the torch reference."""
+        Decode steps on CUDA read the blocks in place (Triton paged attention), so does the CPU
+        (runs of consecutive slots as views); fp8 storage elsewhere gathers and dequantises."""
         pool = self.pool
+        slots = self.slot_map.gather(1, positions)  # [B, T]
+        pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
         if q.is_cuda and q.shape[2] == 1 and sliding_window is None and _pow2(pool.block_size):
             from kernels.paged_attention import paged_decode_attention
 
-            slots = self.slot_map.gather(1, positions)
-            pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
             if self._tables_i32 is None:
                 self._tables_i32 = self.tables.to(torch.int32)
                 self._lengths = (positions[:, 0] + 1).to(torch.int32)
@@ -123,17 +118,16 @@ class PagedBatch:
                                          self._lengths, pool.block_size, *scales)
             return out[:, :, None]
         if not pool.fp8 and not q.is_cuda:
-            # CPU: read the blocks in place, as runs of consecutive slots (no copy of the cache).
-            slots = self.slot_map.gather(1, positions)
-            pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))
-            outs = []
-            for row, table in enumerate(self.block_tables):
-                runs = slot_runs(table, pool.block_size, int(positions[row].max()) + 1)
-                outs.append(ref.attention_over_runs(
-                    q[row], [pool.keys[layer][a:b] for a, b in runs], [pool.values[layer][a:b] for a, b in runs],
-                    positions[row], sliding_window))
-            return torch.stack(outs)
-        keys, values = self.write(layer, positions, k, v)
+            if self._row_runs is None:
+                self._row_runs = [slot_runs(table, pool.block_size, int(positions[row].max()) + 1)
+                                  for row, table in enumerate(self.block_tables)]
+            keys, values = pool.keys[layer], pool.values[layer]
+            return torch.stack([
+                ref.attention_over_runs(q[row], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs],
+                                        positions[row], sliding_window)
+                for row, runs in enumerate(self._row_runs)
+            ])
+        keys, values = pool.read(layer, self.slot_map[:, : self.kv_len])
         return ref.attention(q, keys, values, positions, sliding_window=sliding_window)
 
 

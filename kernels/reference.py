@@ -38,6 +38,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def causal_mask(q_positions: torch.Tensor, seq: int, sliding_window: int | None = None) -> torch.Tensor:
+    """[..., T, S] True where a query at q_positions [..., T] may see key j (key j sits at position j)."""
+    key_pos = torch.arange(seq, device=q_positions.device)
+    allowed = key_pos <= q_positions[..., None]
+    if sliding_window is not None:
+        allowed &= key_pos > q_positions[..., None] - sliding_window
+    return allowed
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,12 +68,9 @@ def attention(
     group = n_q // n_kv
     qg = q.reshape(batch, n_kv, group * n_tokens, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))  # [B, Hkv, G*T, S]
-    key_pos = torch.arange(seq, device=q.device)
-    allowed = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-    if sliding_window is not None:
-        allowed &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
+    allowed = causal_mask(q_positions, seq, sliding_window)  # [B, T, S]
     if kv_len is not None:
-        allowed &= key_pos[None, None, :] < kv_len[:, None, None]
+        allowed &= torch.arange(seq, device=q.device)[None, None, :] < kv_len[:, None, None]
     allowed = allowed[:, None, None].expand(batch, 1, group, n_tokens, seq).reshape(batch, 1, group * n_tokens, seq)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -92,10 +98,7 @@ def attention_over_runs(
     scale = 1.0 / math.sqrt(head_dim)
     scores = torch.cat([torch.einsum("hmd,nhd->hmn", qg, k) for k in key_runs], dim=-1) * scale
     seq = scores.shape[-1]
-    key_pos = torch.arange(seq, device=q.device)
-    allowed = key_pos[None, :] <= q_positions[:, None]  # [T, S]
-    if sliding_window is not None:
-        allowed &= key_pos[None, :] > q_positions[:, None] - sliding_window
+    allowed = causal_mask(q_positions, seq, sliding_window)  # [T, S]
     allowed = allowed[None].expand(group, n_tokens, seq).reshape(1, group * n_tokens, seq)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
     out = None

@@ -46,7 +46,7 @@ class EngineLink:
         old = self.settings
         self.settings = settings
         if old is not None and (old.engine != settings.engine or old.model != settings.model) and self.client:
-            asyncio.ensure_future(self.client.close())
+            self.client.disconnect()
             self.client = None
 
     def _make_client(self) -> EngineClient:
