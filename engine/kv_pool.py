@@ -9,6 +9,7 @@ is partly filled, so no slot is padding. Optional fp8 (e4m3) storage keeps one f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference as ref
 
@@ -22,7 +23,10 @@ class KVPool:
         self.block_size = block_size
         self.dtype = dtype  # the dtype attention computes in
         self.fp8 = fp8
-        slots = num_blocks * block_size
+        # One block past the allocator's: where padding rows of a captured decode step write,
+        # so they never touch a sequence's blocks.
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         store = FP8 if fp8 else dtype
         # Zero-initialised: slots past a row's length are masked in attention but still meet V,
         # and 0 * NaN garbage would be NaN.
@@ -128,6 +132,11 @@ class PagedBatch:
                 for row, runs in enumerate(self._row_runs)
             ])
         keys, values = pool.read(layer, self.slot_map[:, : self.kv_len])
+        if q.is_cuda:  # prefill: a fused attention kernel instead of materialised scores
+            allowed = ref.causal_mask(positions, self.kv_len, sliding_window)[:, None]  # [B, 1, T, S]
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
         return ref.attention(q, keys, values, positions, sliding_window=sliding_window)
 
 

@@ -86,7 +86,7 @@ class Qwen3MoeModel:
             h = ref.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             x = x + self._attention(h, layer, index, positions, cos, sin, cache)
             h = ref.rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
-            x = x + self._mlp(h.reshape(batch * n_tokens, -1), layer).reshape(batch, n_tokens, -1)
+            x = x + self.mlp(h.reshape(batch * n_tokens, -1), layer).reshape(batch, n_tokens, -1)
         if last_only:
             x = x[:, -1:]
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
@@ -106,7 +106,8 @@ class Qwen3MoeModel:
         out = cache.attend(index, positions, q, k, v, cfg.sliding_window)
         return F.linear(out.transpose(1, 2).reshape(batch, n_tokens, -1), layer.w_o, layer.b_o)
 
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """The layer's dense MLP or MoE (router, then the chosen path) on x [N, H]."""
         if layer.router is None:
             return ref.dense_mlp(x, layer.w_gate_up, layer.w_down)
         cfg = self.config

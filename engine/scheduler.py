@@ -26,7 +26,7 @@ from engine.block_allocator import BlockAllocator, PoolExhausted
 from engine.kv_pool import KVPool, PagedBatch
 from engine.model import Qwen3MoeModel
 from engine.output import OutputAssembler
-from engine.sampling import sample
+from engine.sampling import GREEDY_BELOW, sample
 from engine.sequence import BlockTable
 from engine.tokenizer import Tokenizer
 
@@ -100,6 +100,7 @@ class Engine:
         max_batch: int = 32,
         salt: str = "",
         prefix_cache: bool = True,
+        cuda_graphs: bool = True,
     ):
         cfg = model.config
         self.model = model
@@ -115,6 +116,17 @@ class Engine:
         )
         self.allocator = BlockAllocator(num_blocks, block_size, salt=salt)
         self.prefix_cache = prefix_cache  # off: every prompt is computed cold (for comparisons)
+        # Ids past the tokenizer's vocabulary (a checkpoint's padded embedding rows) never sample.
+        self.vocab_limit = tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None
+        self.graphs = None  # CUDA: decode steps and short prompt tails replay captured graphs
+        if cuda_graphs and model.device.type == "cuda" and cfg.sliding_window is None:
+            from engine.decode_graph import DecodeGraphs
+
+            max_tokens = min(cfg.max_position_embeddings, num_blocks * block_size)
+            self.graphs = DecodeGraphs(model, self.pool, max_tokens, self.vocab_limit)
+            t0 = time.monotonic()
+            self.graphs.capture_all()
+            log.info("captured %d decode graphs in %.1f s", len(self.graphs.graphs), time.monotonic() - t0)
         self._lock = threading.Condition()
         self._inbox: list[_Active] = []
         self._cancels: list[tuple[str, str]] = []
@@ -312,10 +324,16 @@ class Engine:
         start, end = a.computed, min(len(prompt), a.computed + self.prefill_chunk)
         t0 = time.monotonic()
         a.table.prepare_write(start, end)
-        device = self.model.device
-        tokens = torch.tensor([prompt[start:end]], device=device)
-        positions = torch.arange(start, end, device=device)[None]
-        logits = self.model.forward(tokens, positions, PagedBatch(self.pool, [a.table.blocks], device), last_only=True)
+        if self.graphs is not None and end - start <= self.graphs.max_rows:
+            # A short tail after a cache hit: one graph replay, a row per new token.
+            logits, _ = self.graphs.run(prompt[start:end], list(range(start, end)), [a.table.blocks] * (end - start))
+            logits = logits[None]
+        else:
+            device = self.model.device
+            tokens = torch.tensor([prompt[start:end]], device=device)
+            positions = torch.arange(start, end, device=device)[None]
+            view = PagedBatch(self.pool, [a.table.blocks], device)
+            logits = self.model.forward(tokens, positions, view, last_only=True)
         a.computed = end
         a.prefill_s += time.monotonic() - t0
         if end < len(prompt):
@@ -331,20 +349,30 @@ class Engine:
         device = self.model.device
         for a in batch:
             a.table.prepare_write(a.computed, a.computed + 1)
-        tokens = torch.tensor([[a.tokens[-1]] for a in batch], device=device)
-        positions = torch.tensor([[a.computed] for a in batch], device=device)
-        view = PagedBatch(self.pool, [a.table.blocks for a in batch], device)
-        logits = self.model.forward(tokens, positions, view)
+        if self.graphs is not None and len(batch) <= self.graphs.max_rows:
+            logits, greedy = self.graphs.run([a.tokens[-1] for a in batch], [a.computed for a in batch],
+                                             [a.table.blocks for a in batch])
+            greedy = greedy.tolist()  # one device-to-host copy for the whole batch
+        else:
+            tokens = torch.tensor([[a.tokens[-1]] for a in batch], device=device)
+            positions = torch.tensor([[a.computed] for a in batch], device=device)
+            view = PagedBatch(self.pool, [a.table.blocks for a in batch], device)
+            logits, greedy = self.model.forward(tokens, positions, view)[:, -1], None
         for i, a in enumerate(batch):
             a.computed += 1
-            self._accept(a, logits[i, -1])
+            self._accept(a, logits[i], greedy_token=greedy[i] if greedy is not None else None)
 
-    def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False) -> None:
+    def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False, greedy_token: int | None = None) -> None:
         req = a.request
-        token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
+        if self.vocab_limit is not None:
+            logits = logits[: self.vocab_limit]
+        if greedy_token is not None and req.temperature < GREEDY_BELOW:
+            token = greedy_token
+        else:
+            token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
         if first:
             a.first_token = time.monotonic()
-            a.first_logits = logits if req.return_logits else None
+            a.first_logits = logits.clone() if req.return_logits else None  # graph outputs are reused
         delta = a.output.push(token)
         a.tokens.append(token)
         if delta:

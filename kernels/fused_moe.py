@@ -155,18 +155,21 @@ DEFAULT_CONFIG = {
 }
 
 
+# Prefill-sized batches (many rows per expert): bigger tiles, tensor cores kept busy.
+PREFILL_CONFIG = {
+    "BLOCK_M": 64,
+    "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+}
+
+
 def default_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
-    table = tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}
-    cfg = tuned.nearest(table.get("configs"), tokens)
-    if cfg is not None:
-        return cfg
-    if tokens * top_k >= 8 * experts:  # prefill-sized: enough rows per expert for bigger tiles
-        return {
-            "BLOCK_M": 64,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        }
-    return DEFAULT_CONFIG
+    table = (tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}).get("configs")
+    prefill = tokens * top_k >= 8 * experts
+    # The tuned table covers decode batch sizes; far past its largest entry, prefill tiles win.
+    if table and not (prefill and tokens > 2 * max(int(key) for key in table)):
+        return tuned.nearest(table, tokens)
+    return PREFILL_CONFIG if prefill else DEFAULT_CONFIG
 
 
 def _stages(cfg: dict) -> dict:

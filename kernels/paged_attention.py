@@ -19,8 +19,8 @@ import triton.language as tl
 
 from kernels.triton_env import interpreting, next_pow2
 
-TOKENS_PER_SPLIT = 256  # keys per program: enough splits to fill the GPU at batch 1
 TILE = 64  # keys per inner step (one tl.dot)
+PROGRAMS_WANTED = 2 * 132  # about two programs per SM of an H100/H200
 
 
 @triton.jit
@@ -30,15 +30,18 @@ def _split_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_sks, stride_tb,
     n_splits, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
-    first = split * TOKENS_PER_SPLIT
-    last = tl.minimum(first + TOKENS_PER_SPLIT, length)
+    # The grid is fixed (so a CUDA graph can replay it); each sequence's keys are shared out
+    # over its splits by its actual length, in whole tiles.
+    per_split = tl.cdiv(tl.cdiv(length, n_splits), TILE) * TILE
+    first = split * per_split
+    last = tl.minimum(first + per_split, length)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -116,16 +119,21 @@ def paged_decode_attention(
     block_size: int,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    n_splits: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence, RoPE applied); keys/values [slots, Hkv, D];
     block_tables [B, max_blocks] int; lengths [B] keys per sequence (the new token's included);
-    fp8 storage: key_scales/value_scales [slots, Hkv] fp32. Returns [B, Hq, D] in q's dtype."""
+    fp8 storage: key_scales/value_scales [slots, Hkv] fp32. Returns [B, Hq, D] in q's dtype.
+
+    The launch depends only on shapes and `n_splits` (default: from the table's width), never on
+    the lengths' values, so it can be captured in a CUDA graph with a table as wide as the
+    longest context and replayed for any lengths."""
     batch, n_heads, head_dim = q.shape
     n_kv = keys.shape[1]
     group = n_heads // n_kv
     q = q.contiguous()
-    max_tokens = block_tables.shape[1] * block_size
-    n_splits = max(1, triton.cdiv(max_tokens, TOKENS_PER_SPLIT))
+    if n_splits is None:
+        n_splits = default_splits(batch, n_kv, block_tables.shape[1] * block_size)
     m = torch.empty(batch * n_heads * n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(batch * n_heads * n_splits, head_dim, device=q.device, dtype=torch.float32)
@@ -137,7 +145,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), ks.stride(0) if fp8 else 0, block_tables.stride(0),
         n_splits, head_dim ** -0.5,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, TOKENS_PER_SPLIT=TOKENS_PER_SPLIT, TILE=min(TILE, TOKENS_PER_SPLIT), FP8=fp8,
+        BLOCK_SIZE=block_size, TILE=TILE, FP8=fp8,
         INTERPRET=interpreting(),
     )
     out = torch.empty_like(q)
@@ -146,3 +154,10 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), SPLIT_PAD=max(2, next_pow2(n_splits)),
     )
     return out
+
+
+def default_splits(batch: int, n_kv_heads: int, max_tokens: int) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU, but no more than the
+    longest table has tiles of keys."""
+    fill = max(1, PROGRAMS_WANTED // (batch * n_kv_heads))
+    return max(1, min(fill, triton.cdiv(max_tokens, TILE)))

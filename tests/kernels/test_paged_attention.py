@@ -34,15 +34,25 @@ def _reference(q, keys, values, tables, lengths, block_size, k_scale=None, v_sca
 
 @pytest.mark.parametrize("lengths", [[1], [5, 17], [40, 3, 9]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference(lengths, dtype, monkeypatch):
-    monkeypatch.setattr("kernels.paged_attention.TOKENS_PER_SPLIT", 8)  # several splits even when short
+@pytest.mark.parametrize("n_splits", [None, 1, 3, 16])  # 16: more splits than tiles, some empty
+def test_matches_reference(lengths, dtype, n_splits, monkeypatch):
     monkeypatch.setattr("kernels.paged_attention.TILE", 4)  # several tiles per split
     q, keys, values, tables, lens = _case(lengths, dtype=dtype, seed=len(lengths))
-    out = paged_decode_attention(q, keys, values, tables, lens, block_size=4)
+    out = paged_decode_attention(q, keys, values, tables, lens, block_size=4, n_splits=n_splits)
     expected = _reference(q, keys, values, tables, lens, 4)
     assert torch.isfinite(out.float()).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - expected).abs().max().item() < tol
+
+
+def test_wide_table_reads_only_each_length():
+    """A CUDA graph replays one launch for a table as wide as the longest context: entries past a
+    sequence's length hold stale block ids and must not change its output."""
+    q, keys, values, tables, lens = _case([6, 11], seed=3)
+    stale = torch.randint(0, tables.max().item() + 1, (2, 9), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    wide = torch.cat([tables, stale], dim=1)
+    out = paged_decode_attention(q, keys, values, wide, lens, 4, n_splits=5)
+    assert (out - _reference(q, keys, values, tables, lens, 4)).abs().max().item() < 1e-5
 
 
 def test_fp8_storage_with_scales():

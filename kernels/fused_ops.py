@@ -1,0 +1,135 @@
+"""Small decode-step ops fused into one launch each (Triton, CUDA).
+
+At batch 1 a decode step is launch-bound: the torch reference spends ~20 tiny kernels per layer
+on residual adds, RMSNorms, q/k norms, RoPE and the KV write. Two kernels replace them:
+
+- `add_rms_norm`: residual add, then RMSNorm of the sum (one read of each input, two writes);
+- `qk_norm_rope_store`: per-head RMSNorm of q and k, RoPE, and the store of k and v into the
+  KV pool's slots, straight from the fused qkv projection.
+
+Numerics follow `kernels.reference` (and transformers): the sum and each norm's output are
+rounded to the activation dtype where the reference rounds them; statistics are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_env import next_pow2
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, hidden, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        # The residual stream is rounded to its dtype after the add, as x + delta does in torch.
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * hidden + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * hidden + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(s, rms_norm(s)) with s = x + delta (s = x when delta is None); x, delta [T, H]."""
+    tokens, hidden = x.shape
+    x = x.contiguous()
+    total = torch.empty_like(x) if delta is not None else x
+    out = torch.empty_like(x)
+    block = next_pow2(hidden)
+    _add_rms_norm_kernel[(tokens,)](
+        x, delta.contiguous() if delta is not None else x, weight, total, out, hidden, eps,
+        HAS_DELTA=delta is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+    )
+    return total, out
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, slots_ptr,
+    stride_qkv, stride_cs, stride_dst_slot, n_q_heads, n_kv_heads, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads, as they sit in qkv
+    d = tl.arange(0, HALF)
+    src = qkv_ptr + token * stride_qkv + head * HEAD_DIM
+    lo = tl.load(src + d).to(tl.float32)
+    hi = tl.load(src + HALF + d).to(tl.float32)
+    out_dtype = q_out_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if head >= n_q_heads + n_kv_heads:  # v: stored as it is
+        kv = head - n_q_heads - n_kv_heads
+        dst = v_dst_ptr + slot * stride_dst_slot + kv * HEAD_DIM
+        tl.store(dst + d, lo.to(v_dst_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, hi.to(v_dst_ptr.dtype.element_ty))
+    else:
+        is_q = head < n_q_heads
+        if is_q:
+            w_lo = tl.load(qw_ptr + d).to(tl.float32)
+            w_hi = tl.load(qw_ptr + HALF + d).to(tl.float32)
+        else:
+            w_lo = tl.load(kw_ptr + d).to(tl.float32)
+            w_hi = tl.load(kw_ptr + HALF + d).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HEAD_DIM + eps)
+        lo = (w_lo * (lo * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        hi = (w_hi * (hi * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        # Rotate-half RoPE, each product rounded as the reference's x*cos + rot(x)*sin is.
+        cs = cos_ptr + token * stride_cs
+        sn = sin_ptr + token * stride_cs
+        cos_lo = tl.load(cs + d).to(tl.float32)
+        cos_hi = tl.load(cs + HALF + d).to(tl.float32)
+        sin_lo = tl.load(sn + d).to(tl.float32)
+        sin_hi = tl.load(sn + HALF + d).to(tl.float32)
+        r_lo = (lo * cos_lo).to(out_dtype).to(tl.float32) + (-hi * sin_lo).to(out_dtype).to(tl.float32)
+        r_hi = (hi * cos_hi).to(out_dtype).to(tl.float32) + (lo * sin_hi).to(out_dtype).to(tl.float32)
+        if is_q:
+            dst = q_out_ptr + (token * n_q_heads + head) * HEAD_DIM
+            tl.store(dst + d, r_lo.to(out_dtype))
+            tl.store(dst + HALF + d, r_hi.to(out_dtype))
+        else:
+            dst = k_dst_ptr + slot * stride_dst_slot + (head - n_q_heads) * HEAD_DIM
+            tl.store(dst + d, r_lo.to(k_dst_ptr.dtype.element_ty))
+            tl.store(dst + HALF + d, r_hi.to(k_dst_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_dst: torch.Tensor,
+    value_dst: torch.Tensor,
+    slots: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Attention inputs of T decode tokens from their fused projection, in one launch.
+
+    qkv [T, (Hq + 2*Hkv) * D]; q_norm, k_norm [D]; cos, sin [T, D] (rotate-half tables in the
+    activation dtype); key_dst, value_dst [slots, Hkv, D] (the KV pool's layer, or a scratch);
+    slots [T] where each token's k and v go. Returns q [T, Hq, D], normed and rotated.
+    """
+    tokens = qkv.shape[0]
+    head_dim = q_norm.shape[0]
+    assert head_dim % 2 == 0 and next_pow2(head_dim) == head_dim, "head_dim must be a power of two"
+    assert key_dst.stride(1) == head_dim and key_dst.stride() == value_dst.stride()
+    q = torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qk_norm_rope_store_kernel[(tokens, n_q_heads + 2 * n_kv_heads)](
+        qkv, q_norm, k_norm, cos, sin, q, key_dst, value_dst, slots,
+        qkv.stride(0), cos.stride(0), key_dst.stride(0), n_q_heads, n_kv_heads, eps,
+        HEAD_DIM=head_dim, HALF=head_dim // 2, num_warps=1,
+    )
+    return q

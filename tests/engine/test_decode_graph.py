@@ -1,0 +1,134 @@
+"""The fused decode step (`engine.decode_graph`) against the model's plain forward.
+
+On the CPU the step runs eagerly through Triton's interpreter: the same code a CUDA graph
+captures, so the graph-free and graph-captured step can only differ by the capture itself.
+"""
+
+import pytest
+import torch
+
+from engine.decode_graph import DecodeGraphs, DecodeStep
+from engine.kv_pool import KVPool, PagedBatch
+from engine.loader import load_model
+from engine.scheduler import Engine, Request
+from engine.tokenizer import Tokenizer
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    path = checkpoint_factory()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def _pool(model, fp8=False, blocks=24):
+    cfg = model.config
+    return KVPool(cfg.num_layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, fp8)
+
+
+def _prefill(model, pool, table, tokens):
+    n = len(tokens)
+    model.forward(torch.tensor([tokens]), torch.arange(n)[None], PagedBatch(pool, [table], "cpu"))
+
+
+def _clone(pool):
+    twin = _pool_like(pool)
+    for layer in range(len(pool.keys)):
+        twin.keys[layer].copy_(pool.keys[layer])
+        twin.values[layer].copy_(pool.values[layer])
+        if pool.fp8:
+            twin.key_scales[layer].copy_(pool.key_scales[layer])
+            twin.value_scales[layer].copy_(pool.value_scales[layer])
+    return twin
+
+
+def _pool_like(pool):
+    keys = pool.keys[0]
+    return KVPool(len(pool.keys), pool.num_blocks, pool.block_size, keys.shape[1], keys.shape[2], pool.dtype,
+                  keys.device, pool.fp8)
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_batched_decode_matches_forward(tiny, fp8):
+    """Two sequences, blocks scattered over the pool, one step each, padded to a bucket of 4."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (9,), generator=g).tolist(), torch.randint(1, vocab, (14,), generator=g).tolist()]
+    tables = [[7, 2, 11], [5, 19, 0, 3]]  # room for the next token in each
+    pool = _pool(model, fp8)
+    for table, prompt in zip(tables, prompts):
+        _prefill(model, pool, table, prompt)
+    nxt = torch.randint(1, vocab, (2,), generator=g).tolist()
+    positions = [len(p) for p in prompts]
+
+    twin = _clone(pool)
+    expected = model.forward(torch.tensor(nxt)[:, None], torch.tensor(positions)[:, None], PagedBatch(twin, tables, "cpu"))
+
+    step = DecodeStep(model, pool, rows=4, max_blocks=8)
+    step.load(nxt, positions, tables)
+    step()
+    tol = 2e-2 if fp8 else 1e-4
+    assert _max_rel(step.logits[:2], expected[:, 0]) < tol
+    assert torch.equal(step.greedy[:2], step.logits[:2].argmax(-1))
+    # The step wrote the new tokens' K/V where the plain forward did.
+    for layer in range(model.config.num_layers):
+        a, b = pool.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0], twin.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0]
+        assert _max_rel(a, b) < (2e-2 if fp8 else 1e-5)
+
+
+def test_rows_of_one_sequence_are_causal(tiny):
+    """Several new tokens of one sequence as rows (a warm prompt's tail) equal a chunked prefill."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, model.config.vocab_size, (13,), generator=g).tolist()
+    table = [4, 9, 1, 15]
+    pool = _pool(model)
+    _prefill(model, pool, table, tokens[:10])
+    twin = _clone(pool)
+    expected = model.forward(torch.tensor([tokens[10:]]), torch.arange(10, 13)[None], PagedBatch(twin, [table], "cpu"))
+
+    graphs = DecodeGraphs(model, pool, max_tokens=64, buckets=(1, 4))
+    assert not graphs.capture  # CPU: eager, same step
+    logits, greedy = graphs.run(tokens[10:], [10, 11, 12], [table] * 3)
+    assert logits.shape[0] == 3
+    assert _max_rel(logits, expected[0]) < 1e-4
+
+
+def test_vocab_limit_masks_padded_ids(tiny):
+    model, _ = tiny
+    pool = _pool(model)
+    step = DecodeStep(model, pool, rows=1, max_blocks=4, vocab_limit=10)
+    step.load([3], [0], [[2]])
+    step()
+    assert torch.isinf(step.logits[0, 10:]).all() and step.greedy[0].item() < 10
+
+
+def test_engine_with_step_generates_what_the_plain_engine_does(tiny):
+    """The scheduler's graph path (decode and short prompt tails) against its eager path."""
+    model, tok = tiny
+    prompt = tok.encode("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self")
+
+    def generate(use_step):
+        engine = Engine(model, tok, num_blocks=64, block_size=BLOCK)
+        if use_step:
+            engine.graphs = DecodeGraphs(model, engine.pool, max_tokens=256, buckets=(1, 2, 4, 8))
+        events = []
+        engine.submit(Request(prompt[:-3], warm_only=True), events.append)
+        engine.run_until_idle()
+        engine.submit(Request(prompt, max_tokens=6, stop_at_eos=False, return_logits=True), events.append)
+        engine.run_until_idle()
+        done = events[-1]
+        assert done.kind == "done", done
+        return "".join(e.text for e in events if e.kind == "delta"), done
+
+    text, done = generate(True)
+    plain_text, plain = generate(False)
+    assert done.usage["cached_tokens"] > 0 and done.usage["completion_tokens"] == 6
+    assert text == plain_text
+    assert _max_rel(done.logits, plain.logits) < 1e-4
