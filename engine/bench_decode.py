@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-new-tokens", type=int, default=32)
+    ap.add_argument("--hf-contexts", default="1024,4096", help="contexts of transformers' generate")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -265,7 +266,8 @@ def main(argv=None) -> int:
 
     if args.transformers:
         try:
-            results["transformers"] = compare_transformers(model, contexts, args.hf_new_tokens, log)
+            results["transformers"] = compare_transformers(
+                model, [int(c) for c in args.hf_contexts.split(",")], args.hf_new_tokens, log)
         except Exception as exc:  # noqa: BLE001 - the engine's numbers stand without it
             log(f"transformers comparison failed: {type(exc).__name__}: {exc}")
             results["transformers"] = dict(error=f"{type(exc).__name__}: {exc}")
