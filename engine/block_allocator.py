@@ -5,8 +5,12 @@ three states:
 - referenced: ref count > 0 (in use by one or more sequences; never evicted),
 - cached: ref count 0 but registered in the prefix index under its chain hash (evictable, LRU),
 - free: ref count 0 and unregistered.
-Only full blocks are registered; their hash chains the parent's hash, the block's tokens and a
-per-model salt, so equal hashes mean equal token prefixes for the same model.
+Full blocks are registered under a hash that chains the parent's hash, the block's tokens and a
+per-model salt, so equal hashes mean equal token prefixes for the same model. A finished
+sequence's last, partly filled block is registered too. Past the last whole-block match, a
+prompt may reuse the first tokens of any registered child of the matched prefix (the sharer
+copies that block before writing): the next keystroke's prompt usually extends the last one,
+so one or two tokens are left to compute instead of up to a block.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class BlockAllocator:
         self.evictions = 0
         self.hit_tokens = 0
         self.lookup_tokens = 0
+        # Every registered block under its parent's chain hash, with the tokens it holds.
+        self.children: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self.parent_of: dict[int, bytes] = {}
 
     # -- hashing -------------------------------------------------------------------------------
     def chain_hashes(self, tokens: list[int]) -> list[bytes]:
@@ -63,18 +70,40 @@ class BlockAllocator:
     def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
         """Acquire the cached blocks of the longest cached full-block prefix of `tokens`
         (at most `max_tokens` tokens' worth) and return them in order."""
+        blocks, _ = self.match_prefix_partial(tokens, max_tokens, partial=False)
+        return blocks
+
+    def match_prefix_partial(self, tokens: list[int], max_tokens: int | None = None,
+                             partial: bool = True) -> tuple[list[int], int]:
+        """Like `match_prefix`, then also the cached block that continues that prefix longest.
+
+        Returns (blocks, cached tokens). When the last block is a partial match, only its first
+        `cached - block_size * (len(blocks) - 1)` tokens are valid: copy it before writing."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        blocks = []
-        for h in self.chain_hashes(tokens[: limit - limit % self.block_size]):
+        size = self.block_size
+        blocks, parent = [], self.salt
+        for h in self.chain_hashes(tokens[: limit - limit % size]):
             block = self.block_of.get(h)
             if block is None:
                 break
             blocks.append(block)
+            parent = h
+        cached = len(blocks) * size
+        if partial and limit > cached:
+            want = tokens[cached:limit]
+            best, best_len = None, 0
+            for block, held in self.children.get(parent, {}).items():
+                common = _common_prefix(held, want)
+                if common > best_len:
+                    best, best_len = block, common
+            if best is not None:
+                blocks.append(best)
+                cached += best_len
         for block in blocks:
             self.acquire(block)
         self.lookup_tokens += len(tokens)
-        self.hit_tokens += len(blocks) * self.block_size
-        return blocks
+        self.hit_tokens += cached
+        return blocks, cached
 
     def acquire(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -86,15 +115,31 @@ class BlockAllocator:
                 raise AssertionError(f"block {block} is free; allocate it instead")
         self.refs[block] += 1
 
-    def register(self, blocks: list[int], tokens: list[int]) -> None:
+    def register(self, blocks: list[int], tokens: list[int], partial: bool = False) -> None:
         """Index the full blocks of a sequence (`blocks` is its block table, `tokens` the tokens
-        whose K/V are in it). A block whose prefix is already indexed elsewhere stays private."""
-        for block, h in zip(blocks, self.chain_hashes(tokens)):
-            if block in self.hash_of:
-                continue
-            if h not in self.block_of:
-                self.block_of[h] = block
-                self.hash_of[block] = h
+        whose K/V are in it). A block whose prefix is already indexed elsewhere stays private.
+        With `partial` (a sequence that is done writing), its partly filled last block too."""
+        size = self.block_size
+        hashes = self.chain_hashes(tokens)
+        parents = [self.salt] + hashes
+        for index, (block, h) in enumerate(zip(blocks, hashes)):
+            if block not in self.hash_of and h not in self.block_of:
+                self._index(block, h, parents[index], tokens[index * size : (index + 1) * size])
+        tail = len(tokens) - len(hashes) * size
+        if partial and tail and len(blocks) > len(hashes):
+            held = tokens[len(hashes) * size :]
+            parent = parents[len(hashes)]
+            h = hashlib.blake2b(parent + b"partial" + b"".join(t.to_bytes(4, "little") for t in held),
+                                digest_size=16).digest()
+            block = blocks[len(hashes)]
+            if block not in self.hash_of and h not in self.block_of:
+                self._index(block, h, parent, held)
+
+    def _index(self, block: int, h: bytes, parent: bytes, held: list[int]) -> None:
+        self.block_of[h] = block
+        self.hash_of[block] = h
+        self.children.setdefault(parent, {})[block] = tuple(held)
+        self.parent_of[block] = parent
 
     # -- allocation ----------------------------------------------------------------------------
     def available(self) -> int:
@@ -131,6 +176,10 @@ class BlockAllocator:
     def _evict_one(self) -> None:
         block, _ = self.evictable.popitem(last=False)
         del self.block_of[self.hash_of.pop(block)]
+        parent = self.parent_of.pop(block)
+        del self.children[parent][block]
+        if not self.children[parent]:
+            del self.children[parent]
         self.free.append(block)
         self.evictions += 1
 
@@ -171,3 +220,18 @@ class BlockAllocator:
         for block, h in self.hash_of.items():
             assert self.block_of[h] == block
         assert len(self.block_of) == len(self.hash_of)
+        for parent, siblings in self.children.items():
+            assert siblings, "an empty child index"
+            for block, held in siblings.items():
+                assert self.parent_of[block] == parent and block in self.hash_of
+                assert 0 < len(held) <= self.block_size
+        assert len(self.parent_of) == len(self.hash_of) == sum(len(s) for s in self.children.values())
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -292,8 +292,10 @@ class Engine:
             if req.seed is not None:
                 a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
         # Keep at least the last prompt token to compute: its logits give the first new token.
-        shared = self.allocator.match_prefix(prompt, max_tokens=len(prompt) - 1) if self.prefix_cache else []
-        fresh = needed - len(shared)
+        shared, cached = [], 0
+        if self.prefix_cache:
+            shared, cached = self.allocator.match_prefix_partial(prompt, max_tokens=len(prompt) - 1)
+        fresh = needed - len(shared) + (cached % bs > 0)  # a partial block is copied before writing
         if fresh > self.allocator.available() and not req.warm_only:
             self._preempt_warms(fresh)
         if fresh > self.allocator.available():
@@ -302,7 +304,7 @@ class Engine:
         a.table = BlockTable(self.allocator, self.pool, shared)
         a.table.grow_to(total)
         a.tokens = list(prompt)
-        a.computed = a.cached = len(shared) * bs
+        a.computed = a.cached = cached
         a.started = time.monotonic()
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cache_hit_tokens"] += a.cached
@@ -414,7 +416,7 @@ class Engine:
         if a.table is not None:
             # Whatever was computed stays reusable: a superseded warm-up still warms.
             if self.prefix_cache:
-                self.allocator.register(a.table.blocks, a.tokens[: a.computed])
+                self.allocator.register(a.table.blocks, a.tokens[: a.computed], partial=True)
             a.table.free()
             a.table = None
 

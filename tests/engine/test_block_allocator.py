@@ -14,21 +14,42 @@ POOL = 24
 VOCAB = 3  # a tiny vocabulary makes shared prefixes common
 
 
+class ShadowPool:
+    """Stands in for the KV pool: which token each slot holds, so reuse can be checked."""
+
+    def __init__(self):
+        self.slots = [[None] * BLOCK for _ in range(POOL)]
+
+    def copy_block(self, src, dst):
+        self.slots[dst] = list(self.slots[src])
+
+    def write(self, table, tokens, start, end):
+        for p in range(start, end):
+            self.slots[table.blocks[p // BLOCK]][p % BLOCK] = tokens[p]
+
+    def holds(self, table, tokens, end):
+        return all(self.slots[table.blocks[p // BLOCK]][p % BLOCK] == tokens[p] for p in range(end))
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.alloc = BlockAllocator(POOL, BLOCK, salt="test")
+        self.pool = ShadowPool()
         self.seqs: list[tuple[BlockTable, list[int]]] = []
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
     def allocate(self, tokens):
-        shared = self.alloc.match_prefix(tokens, max_tokens=len(tokens) - 1)
-        table = BlockTable(self.alloc, None, shared)
+        shared, cached = self.alloc.match_prefix_partial(tokens, max_tokens=len(tokens) - 1)
+        table = BlockTable(self.alloc, self.pool, shared)
+        assert self.pool.holds(table, tokens, cached)  # a hit holds exactly the prompt's tokens
         try:
-            table.grow_to(len(tokens))
+            table.prepare_write(cached, len(tokens))  # copies a partly reused block first
         except PoolExhausted:
             table.free()
             return
+        assert self.pool.holds(table, tokens, cached)
+        self.pool.write(table, tokens, cached, len(tokens))
         self.alloc.register(table.blocks, tokens)
         self.seqs.append((table, tokens))
 
@@ -41,9 +62,18 @@ class PoolMachine(RuleBasedStateMachine):
             table.prepare_write(len(tokens), len(tokens) + len(extra))
         except PoolExhausted:
             return
+        self.pool.write(table, tokens + extra, len(tokens), len(tokens) + len(extra))
         tokens = tokens + extra
         self.alloc.register(table.blocks, tokens)
         self.seqs[i] = (table, tokens)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        """A sequence done writing: its partly filled last block becomes reusable too."""
+        table, tokens = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        self.alloc.register(table.blocks, tokens, partial=True)
+        table.free()
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -47,7 +47,8 @@ def test_cache_hits_give_cold_logits(tiny):
     _, warm = run(engine, Request(prompt[:-3], warm_only=True))
     assert warm.finish_reason == "warmed"
     _, hit = run(engine, Request(prompt, max_tokens=1, return_logits=True))
-    assert hit.usage["cached_tokens"] == (len(prompt) - 3) // 8 * 8 > 0
+    # Whole blocks and the warm-up's partly filled last block: only the 3 new tokens computed.
+    assert hit.usage["cached_tokens"] == len(prompt) - 3
     assert max_rel(hit.logits, cold.logits) < 1e-5
 
     # The same prompt again: everything but the last token is served from the cache.
@@ -55,10 +56,12 @@ def test_cache_hits_give_cold_logits(tiny):
     assert again.usage["cached_tokens"] == (len(prompt) - 1) // 8 * 8
     assert max_rel(again.logits, cold.logits) < 1e-5
 
-    # A prompt that diverges mid-block shares only the full blocks before the divergence.
+    # A prompt that diverges mid-block shares the tokens before the divergence: two whole
+    # blocks, and a copy of the third block's first five tokens.
     other = prompt[:21] + tok.encode("zzz = 3\n")
+    assert other[21] != prompt[21]
     _, partial = run(engine, Request(other, max_tokens=1, return_logits=True))
-    assert partial.usage["cached_tokens"] == 16
+    assert partial.usage["cached_tokens"] == 21
     _, partial_cold = run(Engine(model, tok, num_blocks=64, block_size=8), Request(other, max_tokens=1, return_logits=True))
     assert max_rel(partial.logits, partial_cold.logits) < 1e-5
 
