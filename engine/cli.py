@@ -81,6 +81,39 @@ def kv_pool_bytes(requested_mb: int | None, device) -> int:
     return 256 << 20
 
 
+def _random_model(args: argparse.Namespace):
+    """Random weights of a named shape (latency benchmarks only: the text is noise)."""
+    import torch
+
+    from engine.random_model import random_model, shape_config
+
+    config = shape_config(args.random_shape, args.random_vocab_size)
+    device = torch.device(args.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = random_model(config, dtype=dtype, device=device, seed=args.random_seed)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
+    return model
+
+
+def set_moe_path(model, path: str) -> None:
+    """`auto`: the model's own choice (on CUDA the Triton dispatcher: warp decode for a few
+    tokens, expert-centric for many). An explicit path is forced for every MoE layer: the torch
+    reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp decode there)."""
+    if path == "auto":
+        return
+    if model.device.type != "cuda":
+        model.moe_path = path
+        return
+    from functools import partial
+
+    from kernels import dispatch
+
+    kernel = dispatch.WARP_DECODE if path == "output_centric" else dispatch.EXPERT_CENTRIC
+    model.moe_fn = partial(dispatch.run_path, kernel)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -100,18 +133,25 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     log = logging.getLogger("wd_engine")
     model_dir = Path(args.model) if args.model else default_model_dir()
+    name = f"random {args.random_shape}" if args.random_shape else model_dir.name
     try:
         t0 = time.perf_counter()
-        model = load_model(model_dir, dtype=args.dtype, device=args.device)
+        if args.random_shape:  # the folder gives only the tokenizer (and its FIM conventions)
+            model = _random_model(args)
+        else:
+            model = load_model(model_dir, dtype=args.dtype, device=args.device)
+        set_moe_path(model, args.moe_path)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        log.info("loaded %s in %.0f ms on %s", model_dir.name, 1000 * (time.perf_counter() - t0), args.device)
+        log.info("loaded %s in %.0f ms on %s (%s, MoE path %s)", name, 1000 * (time.perf_counter() - t0),
+                 args.device, model.dtype, args.moe_path)
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
-        log.error("cannot load model %s: %s", model_dir, exc)
-        print(f"wd-engine: cannot load model {model_dir}: {exc}", file=sys.stderr)
+        log.error("cannot load model %s: %s", name, exc)
+        print(f"wd-engine: cannot load model {name}: {exc}", file=sys.stderr)
         return 1
+    salt = f"random:{args.random_shape}:{args.random_seed}" if args.random_shape else str(model_dir.resolve())
     engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
                     kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device), prefill_chunk=args.prefill_chunk,
-                    salt=f"{model_dir.resolve()}:{model.dtype}", prefix_cache=not args.no_prefix_cache)
+                    salt=f"{salt}:{model.dtype}", prefix_cache=not args.no_prefix_cache)
     token = None
     if args.tcp_port is not None:
         token = os.environ.get("WD_ENGINE_TOKEN") or (Path(args.token_file).read_text().strip() if args.token_file else None)
@@ -208,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--device", default="cpu")
+    serve.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"), default="auto",
+                       help="force a MoE path (on CUDA: the Triton expert-centric or warp decode kernel); "
+                            "auto: the engine's choice by batch size")
+    serve.add_argument("--random-shape", metavar="SHAPE",
+                       help="serve random weights of a named shape (qwen3-30b-a3b, tiny) instead of a checkpoint; "
+                            "--model then only gives the tokenizer. For latency measurements: the text is noise")
+    serve.add_argument("--random-seed", type=int, default=0, help="seed of the random weights")
+    serve.add_argument("--random-vocab-size", type=int,
+                       help="vocabulary of the random model (default: the shape's)")
     serve.add_argument("--log-file", help="log here (default: $XDG_STATE_HOME/wd-lsp/engine.log)")
     serve.add_argument("--foreground", action="store_true", help="also log to stderr")
     serve.set_defaults(run=_serve)

@@ -32,6 +32,35 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False,
 )
 
+# A few-MB model for checks on the CPU: the embedded tokenizer's vocabulary, 2 MoE layers.
+TINY = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=16000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
+
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+
+
+def shape_config(name: str, vocab_size: int | None = None) -> dict:
+    """A named shape's config (`SHAPES`), optionally with another vocabulary size."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    return dict(SHAPES[name], **({"vocab_size": vocab_size} if vocab_size else {}))
+
 
 def random_model(config: dict, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> Qwen3MoeModel:
     cfg = ModelConfig.from_dict(config)

@@ -1,6 +1,7 @@
 """`wd-lsp bench` / `python -m wd_lsp.bench`: compare cache modes, or soak one engine.
 
     wd-lsp bench [compare] --segments 6 --out bench-out      # cache off / on / on + warm
+    wd-lsp bench --modes cache-warm,cache-warm@expert_centric --engine-arg=--device=cuda ...
     wd-lsp bench soak --editors 16 --duration 300 --out soak-out
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from . import report, sources
 from .compare import CompareConfig, run_compare
 from .editors import EDITORS
-from .engines import MODES
+from .engines import MODES, MOE_PATHS, Arm
 from .script import Cadence
 from .soak import SoakConfig, run_soak
 
@@ -42,6 +43,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="latency-out", help="folder for latency.json, latency.md and plots")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engine and server logs")
+    parser.add_argument("--run-dir", help="folder for the sockets and logs, kept at the end (default: a new "
+                        "temporary one, removed unless --keep-logs); keep its path short (AF_UNIX)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     compare = commands.add_parser("compare", help="cache modes side by side (the default)")
     _common(compare)
-    compare.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    compare.add_argument("--modes", default=",".join(MODES),
+                         help=f"comma-separated, from {', '.join(MODES)}; MODE@PATH forces the engine's MoE path "
+                              f"({', '.join(MOE_PATHS)}), e.g. cache-warm@expert_centric")
     compare.add_argument("--editors", default=",".join(EDITORS), help=f"comma-separated, from {', '.join(EDITORS)}")
+    compare.add_argument("--daemons-at-once", type=int, default=0,
+                         help="engines alive at once (default: all); the modes then run in groups, in order")
+    compare.add_argument("--warm-up", action="store_true",
+                         help="run a few unrelated completions on each engine before measuring (compiles GPU kernels)")
     soak = commands.add_parser("soak", help="many editors against one engine for a set time")
     _common(soak)
     soak.add_argument("--editors", type=int, default=16, help="concurrent editors")
@@ -82,7 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         print("wd-lsp bench: no file is long enough to type from (try --min-context 0)", file=sys.stderr)
         return 2
     cadence = Cadence(args.key_ms, args.jitter, args.line_pause_ms, args.word_pause_ms)
-    run_dir = Path(tempfile.mkdtemp(prefix="wd-bench-"))  # private sockets; short enough for AF_UNIX
+    if args.command == "compare":
+        try:
+            for spec in args.modes.split(","):
+                Arm.parse(spec)
+        except ValueError as exc:
+            print(f"wd-lsp bench: {exc}", file=sys.stderr)
+            return 2
+    keep = args.keep_logs or args.run_dir
+    # Private sockets; short enough for AF_UNIX.
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="wd-bench-"))
     try:
         if args.command == "soak":
             config = SoakConfig(segments, args.editors, args.duration, args.style, args.mode, cadence,
@@ -90,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(run_soak(config, run_dir))
         else:
             config = CompareConfig(segments, args.modes.split(","), args.editors.split(","), cadence,
-                                   _server_options(args.server_option), args.model, args.engine_arg, args.seed)
+                                   _server_options(args.server_option), args.model, args.engine_arg, args.seed,
+                                   args.daemons_at_once, args.warm_up)
             result = asyncio.run(run_compare(config, run_dir))
     finally:
-        if args.keep_logs:
+        if keep:
             print(f"logs: {run_dir}")
         else:
             shutil.rmtree(run_dir, ignore_errors=True)

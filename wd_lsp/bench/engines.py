@@ -31,6 +31,31 @@ MODES = {
 }
 
 
+MOE_PATHS = ("auto", "expert_centric", "output_centric")  # `wd-engine serve --moe-path`
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One engine set-up in a comparison: a mode, optionally with a forced MoE path
+    (`cache-warm@expert_centric`; without `@`, the engine picks its own path)."""
+
+    name: str
+    mode: Mode
+    moe_path: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Arm":
+        mode, _, path = spec.partition("@")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        if path and path not in MOE_PATHS:
+            raise ValueError(f"unknown MoE path {path!r}; known: {', '.join(MOE_PATHS)}")
+        return cls(spec, MODES[mode], path or None)
+
+    def engine_args(self) -> list[str]:
+        return ["--moe-path", self.moe_path] if self.moe_path else []
+
+
 @dataclass
 class Daemon:
     socket: Path
@@ -71,6 +96,7 @@ def start_daemon(run_dir: Path, name: str, prefix_cache: bool, model: str | None
                  extra_args: list[str] | None = None, idle_timeout_s: int = 30) -> Daemon:
     """Start `wd-engine serve` on `run_dir/<name>.sock`; returns at once (see `wait_ready`)."""
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    name = name.replace("@", "-")
     socket = run_dir / f"{name}.sock"
     command = [sys.executable, "-m", "engine.cli", "serve", "--socket", str(socket),
                "--idle-timeout", str(idle_timeout_s), "--log-file", str(run_dir / f"{name}.log")]
@@ -98,3 +124,19 @@ async def wait_ready(daemon: Daemon, timeout_s: float = 300.0) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine on {daemon.socket} did not start in {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
+
+
+# Prompts of a spread of lengths (~10 to ~2,500 tokens): a fresh engine compiles or tunes what it
+# needs for each shape it meets (Triton kernels on a GPU) before the measured replays, not in them.
+WARM_UP_LINES = (1, 8, 30, 90, 160)
+
+
+async def warm_up(daemon: Daemon, max_tokens: int = 8) -> float:
+    """Run a few plain completions unrelated to any replayed file; returns the seconds taken."""
+    t0 = time.monotonic()
+    for lines in WARM_UP_LINES:
+        text = "".join(f"value_{i} = compute({i}, scale={i % 7}) + offset\n" for i in range(lines))
+        stream = await daemon.client.complete({"prompt": text, "max_tokens": max_tokens})
+        async for _ in stream:
+            pass
+    return time.monotonic() - t0

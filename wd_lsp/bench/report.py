@@ -30,11 +30,21 @@ HEADER = ("| mode | editor | requests | shown | key→first token p50/p90/p99 ms
           "| cancelled / superseded | errors |\n|" + "---|" * 13)
 
 
+def _model(cfg: dict) -> str:
+    """The model folder, or the random shape served with that folder's tokenizer."""
+    args = cfg.get("engine_args") or []
+    for i, arg in enumerate(args):
+        if arg.startswith("--random-shape"):
+            shape = arg.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "?")
+            return f"random weights of the {shape} shape (latency only; tokenizer: {cfg['model']})"
+    return cfg["model"]
+
+
 def markdown_compare(result: dict) -> str:
     cfg = result["config"]
     lines = [
-        "# wd-lsp latency: cache modes compared", "",
-        f"Model: {cfg['model']}. Segments: {len(cfg['segments'])} ({', '.join(cfg['segments'])}). "
+        "# wd-lsp latency: modes compared", "",
+        f"Model: {_model(cfg)}. Segments: {len(cfg['segments'])} ({', '.join(cfg['segments'])}). "
         f"Cadence: {cfg['cadence']['key_ms']:.0f} ms a key ±{100 * cfg['cadence']['jitter']:.0f}%, "
         f"{cfg['cadence']['line_pause_ms']:.0f} ms pause after Enter.", "",
         HEADER,
@@ -44,6 +54,19 @@ def markdown_compare(result: dict) -> str:
             lines.append(_row(name, editor, s))
     lines += ["", "Key→ghost counts answers shown for the current text; cancelled and stale answers are not shown. "
               "Cache hits: prompt tokens the engine took from its prefix cache (completions and warm-ups).", ""]
+    if result.get("engines"):
+        lines += [f"Engine arguments: `{' '.join(cfg['engine_args']) or '(defaults)'}`; engines alive at once: "
+                  f"{cfg.get('daemons_at_once') or 'all'}. A mode@path arm forces that MoE path "
+                  "(`wd-engine serve --moe-path`); the others use the engine's own choice (on CUDA: warp decode "
+                  "for a few tokens, expert-centric for many).", "",
+                  "| mode | layers | experts (k) | vocab | dtype | device | MoE path | ready s | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, e in result["engines"].items():
+            warm = e.get("warm_up_s")
+            lines.append(f"| {name} | {e.get('layers')} | {e.get('experts')} ({e.get('experts_per_token')}) | "
+                         f"{e.get('vocab_size')} | {e.get('dtype')} | {e.get('device')} | {e.get('moe_path')} | "
+                         f"{e['ready_s']:.1f} | {'–' if warm is None else f'{warm:.1f}'} |")
+        lines.append("")
     for key, value in result.get("ratios", {}).items():
         lines.append(f"- {key}: {value:.2f}" if value is not None else f"- {key}: –")
     return "\n".join(lines) + "\n"
