@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
-    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per scheduler step")
+    serve.add_argument("--prefill-chunk", type=int,
+                       help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     serve.add_argument("--device", default="cpu")

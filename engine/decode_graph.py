@@ -27,7 +27,7 @@ from kernels.paged_attention import default_splits, paged_decode_attention
 
 log = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # 3: a warm prompt's usual tail (typed text + FIM token)
 
 
 class DecodeStep:
@@ -54,14 +54,15 @@ class DecodeStep:
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits
 
     def load(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> None:
-        """Copy a step's inputs into the static buffers. Rows past len(tokens) are padding: a
-        token at position 0 in the pool's scratch block, which no sequence owns."""
+        """Copy a step's inputs into the static buffers. Rows past len(tokens) are padding:
+        copies of row 0 (same experts, so no extra weight traffic) that store their K/V in the
+        pool's scratch block, which no sequence owns."""
         n, bs = len(tokens), self.pool.block_size
         if not 0 < n <= self.rows:
             raise ValueError(f"{n} rows do not fit a step of {self.rows}")
         pad = self.rows - n
-        tokens, positions = list(tokens) + [0] * pad, list(positions) + [0] * pad
-        tables = list(tables) + [[self.pool.scratch_block]] * pad
+        tokens, positions, tables = list(tokens) + tokens[:1] * pad, list(positions) + positions[:1] * pad, \
+            list(tables) + tables[:1] * pad
         width = max(len(t) for t in tables)
         if width > self.tables.shape[1]:
             raise ValueError(f"block table of {width} blocks; the step was built for {self.tables.shape[1]}")
@@ -70,6 +71,7 @@ class DecodeStep:
             host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
         pos = torch.tensor(positions)
         slots = host.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        slots[n:] = self.pool.scratch_block * bs + torch.arange(pad) % bs
         self.tokens.copy_(torch.tensor(tokens))
         self.positions.copy_(pos)
         self.slots.copy_(slots)

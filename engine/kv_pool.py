@@ -28,13 +28,16 @@ class KVPool:
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
         store = FP8 if fp8 else dtype
+        # One tensor per kind for all layers (a block copy is one op), read per layer as views.
         # Zero-initialised: slots past a row's length are masked in attention but still meet V,
         # and 0 * NaN garbage would be NaN.
-        self.keys = [torch.zeros(slots, num_kv_heads, head_dim, dtype=store, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(slots, num_kv_heads, head_dim, dtype=store, device=device) for _ in range(num_layers)]
+        self._stores = [torch.zeros(num_layers, slots, num_kv_heads, head_dim, dtype=store, device=device)
+                        for _ in range(2)]
         if fp8:
-            self.key_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
-            self.value_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
+            self._stores += [torch.ones(num_layers, slots, num_kv_heads, device=device) for _ in range(2)]
+        self.keys, self.values = list(self._stores[0]), list(self._stores[1])
+        if fp8:
+            self.key_scales, self.value_scales = list(self._stores[2]), list(self._stores[3])
 
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes over all layers, K and V, scales included."""
@@ -70,12 +73,8 @@ class KVPool:
         """Copy-on-write of a shared partial block."""
         bs = self.block_size
         s, d = slice(src * bs, (src + 1) * bs), slice(dst * bs, (dst + 1) * bs)
-        for layer in range(len(self.keys)):
-            self.keys[layer][d] = self.keys[layer][s]
-            self.values[layer][d] = self.values[layer][s]
-            if self.fp8:
-                self.key_scales[layer][d] = self.key_scales[layer][s]
-                self.value_scales[layer][d] = self.value_scales[layer][s]
+        for store in self._stores:  # every layer at once
+            store[:, d] = store[:, s]
 
 
 class PagedBatch:

@@ -96,7 +96,7 @@ class Engine:
         block_size: int = 16,
         kv_fp8: bool = False,
         kv_memory_bytes: int = 256 << 20,
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         max_batch: int = 32,
         salt: str = "",
         prefix_cache: bool = True,
@@ -106,6 +106,10 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
+        # Prompt tokens per step: bounds how long a cold prompt stalls running decodes. A GPU
+        # chunk of 2048 runs ~3x faster per token than 512 (4K prompt: 208 vs 727 ms, H200).
+        if prefill_chunk is None:
+            prefill_chunk = 2048 if model.device.type == "cuda" else 512
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         if num_blocks is None:
