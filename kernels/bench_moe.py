@@ -2,12 +2,13 @@
 
     python -m kernels.bench_moe --out moe.json            # check, then benchmark
     python -m kernels.bench_moe --tune --out moe.json     # check, tune, write configs, benchmark
+    python -m kernels.bench_moe --tune warp --out moe.json  # retune only the warp-decode family
 
 Shape: the Qwen3-30B-A3B MoE layer (H=2048, E=128, k=8, I=768), random bf16 weights for
 several layers cycled so L2 cannot help. For each batch size: the floor (distinct experts
 touched x 3*H*I*2 bytes over the measured read bandwidth), each path's time per layer under
 CUDA graphs (median of many replays, each path timed twice), and each path's relative error
-against a float64 reference. `--tune` sweeps block sizes for both paths, writes
+against a float64 reference, taken from a CUDA-graph replay (where the kernels overlap). `--tune` sweeps block sizes for both paths, writes
 `kernels/configs/*.json` (and a copy to --save-configs) and the crossover table the
 dispatcher reads, then benchmarks with what it wrote.
 """
@@ -27,9 +28,11 @@ from kernels import dispatch, reference, tuned
 from kernels.fused_moe import fused_moe
 from kernels.gpu_timing import graph_time_us, read_bandwidth
 from kernels.router import route as triton_route
+from kernels.warp_decode import default_configs as warp_default_configs
 from kernels.warp_decode import warp_decode_moe
 from kernels.warp_decode_batched import MAX_TOKENS as BATCHED_MAX_TOKENS
 from kernels.warp_decode_batched import warp_decode_batched_moe
+from kernels.warp_decode_dedup import warp_decode_dedup_moe
 
 QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -107,8 +110,13 @@ def check(log) -> bool:
         args = layers.layer_args(layers.inputs(batch, seed=batch + 100), 0)
         ref = float64_reference(*args)
         bf16_floor = rel_err(ref.to(torch.bfloat16), ref)
+        stored = warp_default_configs(batch, shape["hidden"], shape["inter"], shape["experts"], shape["top_k"])
+        overlapped = {"gate_up": stored["gate_up"], "down": dict(stored["down"], pdl=True, prefetch=True)}
         with poisoned_outputs():
             errs = {"warp_decode": rel_err(warp_decode_moe(*args), ref),
+                    "warp_decode_overlap": rel_err(graph_output(
+                        lambda *a: warp_decode_moe(*a, config=overlapped), args), ref),
+                    "warp_decode_dedup": rel_err(warp_decode_dedup_moe(*args), ref),
                     "expert_centric": rel_err(fused_moe(*args), ref)}
             if batch <= BATCHED_MAX_TOKENS:
                 errs["warp_decode_batched"] = rel_err(warp_decode_batched_moe(*args), ref)
@@ -129,6 +137,20 @@ def check(log) -> bool:
     return ok
 
 
+def graph_output(fn, args):
+    """fn(*args) as a CUDA-graph replay gives it (the kernels may overlap there)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
 def time_path(fn, layers, inputs, replays):
     n = layers.n_layers
     return graph_time_us(lambda: [fn(*layers.layer_args(inputs, l)) for l in range(n)], replays) / n
@@ -136,7 +158,8 @@ def time_path(fn, layers, inputs, replays):
 
 def crossover_entry(layers, rows, device_name):
     winners, max_tokens = {}, 0
-    paths = (dispatch.WARP_DECODE, dispatch.WARP_DECODE_BATCHED, dispatch.EXPERT_CENTRIC)
+    paths = (dispatch.WARP_DECODE, dispatch.WARP_DECODE_DEDUP, dispatch.WARP_DECODE_BATCHED,
+             dispatch.EXPERT_CENTRIC)
     for row in rows:
         timed = {p: row[f"{p}_us"] for p in paths if f"{p}_us" in row}
         winners[str(row["batch"])] = min(timed, key=timed.get)
@@ -157,8 +180,11 @@ def crossover_entry(layers, rows, device_name):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--tune", nargs="?", const="all", choices=["all", "batched"], default=None,
-                        help="sweep block sizes and write configs first (all paths, or only batched)")
+    parser.add_argument("--tune", nargs="?", const="all", choices=["all", "batched", "warp"], default=None,
+                        help="sweep block sizes and write configs first (all paths, only batched, or "
+                             "only warp decode's overlap and the deduplicated variant)")
+    parser.add_argument("--no-batched", action="store_true",
+                        help="leave the batched variant out of the timings (keep its stored row)")
     parser.add_argument("--save-configs", type=Path, default=None, help="also copy config JSONs here")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
@@ -188,7 +214,7 @@ def main(argv=None):
     layers = LayerSet(args.layers, shape["hidden"], shape["inter"], shape["experts"], shape["top_k"])
     inputs = {b: layers.inputs(b, seed=1000 + b) for b in batches}
     names = {f: tuned.shape_name(f, shape["hidden"], shape["inter"], shape["experts"], shape["top_k"])
-             for f in ("warp_decode", "fused_moe", "warp_decode_batched")}
+             for f in ("warp_decode", "fused_moe", "warp_decode_batched", "warp_decode_dedup")}
 
     def save(name, data):
         data = {"device": device_name, "shape": shape, **data}
@@ -196,7 +222,25 @@ def main(argv=None):
         if args.save_configs:
             tuned.save(name, data, args.save_configs)
 
-    if args.tune:
+    if args.tune == "warp":
+        from kernels import tune_moe
+        from kernels.warp_decode import default_configs as warp_cfgs
+
+        def cfgs(b):
+            return warp_cfgs(b, shape["hidden"], shape["inter"], shape["experts"], shape["top_k"])
+
+        small = [b for b in batches if b <= 16]  # where an output-centric path can win
+        tune_moe.precompile(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"], log,
+                            jobs=tune_moe.overlap_jobs(small, cfgs))
+        log("tuning warp decode overlap and the deduplicated variant")
+        ov = tune_moe.tune_overlap(layers, small, inputs, cfgs, log=log)
+        result["tuning_overlap_us"] = ov["us"]
+        stored = tuned.load(names["warp_decode"]) or {}
+        merged = {part: {**stored.get(part, {}), **ov["warp_decode"][part]} for part in ("gate_up", "down")}
+        save(names["warp_decode"], merged)
+        save(names["warp_decode_dedup"], ov["warp_decode_dedup"])
+
+    if args.tune in ("all", "batched"):
         from kernels import tune_moe
 
         log("tuning batched warp decode")
@@ -223,8 +267,9 @@ def main(argv=None):
         floor_bytes = distinct * 3 * shape["hidden"] * shape["inter"] * 2
         row = {"batch": batch, "distinct_experts": distinct, "floor_bytes": floor_bytes,
                "floor_us": floor_bytes / bw["read_bytes_per_s"] * 1e6}
-        paths = {"expert_centric": fused_moe, "warp_decode": warp_decode_moe}
-        if batch <= BATCHED_MAX_TOKENS:
+        paths = {"expert_centric": fused_moe, "warp_decode": warp_decode_moe,
+                 "warp_decode_dedup": warp_decode_dedup_moe}
+        if batch <= BATCHED_MAX_TOKENS and not args.no_batched:
             paths["warp_decode_batched"] = warp_decode_batched_moe
         for rep in (1, 2):
             for path, fn in paths.items():
@@ -234,13 +279,12 @@ def main(argv=None):
         layer0 = layers.layer_args(inputs[batch], 0)
         ref = float64_reference(*layer0)
         row["bf16_rounding_err"] = rel_err(ref.to(torch.bfloat16), ref)
-        row["expert_centric_err"] = rel_err(fused_moe(*layer0), ref)
-        row["warp_decode_err"] = rel_err(warp_decode_moe(*layer0), ref)
-        if "warp_decode_batched" in paths:
-            row["warp_decode_batched_err"] = rel_err(warp_decode_batched_moe(*layer0), ref)
+        for path, fn in paths.items():
+            row[f"{path}_err"] = rel_err(graph_output(fn, layer0), ref)
         rows.append(row)
         log(f"B={batch:3d} floor {row['floor_us']:6.1f}  ec {row['expert_centric_us_1']:6.1f}/"
             f"{row['expert_centric_us_2']:6.1f}  wd {row['warp_decode_us_1']:6.1f}/{row['warp_decode_us_2']:6.1f}"
+            f"  dedup {row['warp_decode_dedup_us_1']:6.1f}/{row['warp_decode_dedup_us_2']:6.1f}"
             f"  batched {row.get('warp_decode_batched_us_1', math.nan):6.1f}/"
             f"{row.get('warp_decode_batched_us_2', math.nan):6.1f}")
 
@@ -258,6 +302,8 @@ def main(argv=None):
         for rep in (1, 2):
             row[f"dispatch_us_{rep}"] = time_path(dispatch.moe, layers, inputs[batch], args.replays)
         row["dispatch_us"] = min(row["dispatch_us_1"], row["dispatch_us_2"])
+        ref = float64_reference(*layers.layer_args(inputs[batch], 0))
+        row["dispatch_err"] = rel_err(graph_output(dispatch.moe, layers.layer_args(inputs[batch], 0)), ref)
 
     result["rows"] = rows
     print_table(rows, log)
@@ -269,18 +315,19 @@ def main(argv=None):
 
 def print_table(rows, log):
     log("us per layer (CUDA graph, median of replays, best of two timings); errors vs float64")
-    header = (f"{'B':>3} {'experts':>7} {'floor':>7} {'expert-c':>9} {'warp-dec':>9} {'batched':>8} "
-              f"{'dispatch':>9} {'path':>19} {'floor/wd':>8} {'ec/wd':>6} {'err ec':>8} {'err wd':>8} "
-              f"{'err bat':>8} {'bf16':>8}")
+    header = (f"{'B':>3} {'experts':>7} {'floor':>7} {'expert-c':>9} {'warp-dec':>9} {'dedup':>8} "
+              f"{'batched':>8} {'dispatch':>9} {'path':>19} {'floor/wd':>8} {'ec/wd':>6} {'err ec':>8} "
+              f"{'err wd':>8} {'err dd':>8} {'err bat':>8} {'err dis':>8} {'bf16':>8}")
     print(header)
     nan = math.nan
     for r in rows:
         print(f"{r['batch']:>3} {r['distinct_experts']:>7.1f} {r['floor_us']:>7.1f} "
               f"{r['expert_centric_us']:>9.1f} {r['warp_decode_us']:>9.1f} "
-              f"{r.get('warp_decode_batched_us', nan):>8.1f} {r['dispatch_us']:>9.1f} "
+              f"{r['warp_decode_dedup_us']:>8.1f} {r.get('warp_decode_batched_us', nan):>8.1f} {r['dispatch_us']:>9.1f} "
               f"{r['dispatch_path']:>19} {r['floor_us'] / r['warp_decode_us']:>8.2f} "
               f"{r['expert_centric_us'] / r['warp_decode_us']:>6.2f} {r['expert_centric_err']:>8.2e} "
-              f"{r['warp_decode_err']:>8.2e} {r.get('warp_decode_batched_err', nan):>8.2e} "
+              f"{r['warp_decode_err']:>8.2e} {r['warp_decode_dedup_err']:>8.2e} "
+              f"{r.get('warp_decode_batched_err', nan):>8.2e} {r['dispatch_err']:>8.2e} "
               f"{r['bf16_rounding_err']:>8.2e}")
 
 

@@ -1,8 +1,9 @@
 """The engine's entry points for a MoE layer: pick the path, run it.
 
-CUDA tensors go to Triton: warp decode (output-centric), its batched variant (every token in
-each program, so a weight row is read once per batch) or the expert-centric fused MoE, whichever the crossover table in `kernels/configs/crossover.json` measured faster at this
-(tokens, k, E); CPU tensors go to the torch references. The table is written by
+CUDA tensors go to Triton: warp decode (output-centric), its deduplicated variant (an expert's
+gate/up rows read once per batch), its batched variant (every token in each program) or the
+expert-centric fused MoE, whichever the crossover table in `kernels/configs/crossover.json`
+measured faster at this (tokens, k, E); CPU tensors go to the torch references. The table is written by
 `python -m kernels.bench_moe --tune` on the GPU.
 """
 
@@ -13,9 +14,12 @@ import torch
 from kernels import reference, tuned
 
 WARP_DECODE = "warp_decode"
+WARP_DECODE_DEDUP = "warp_decode_dedup"  # output-centric, gate/up rows once per expert
 WARP_DECODE_BATCHED = "warp_decode_batched"  # output-centric, every token in each program
 EXPERT_CENTRIC = "expert_centric"
-BATCHED_MAX_TOKENS = 64  # kernels.warp_decode_batched.MAX_TOKENS (kept here: no Triton import)
+# The kernels' own limits, kept here so choosing a path needs no Triton import:
+BATCHED_MAX_TOKENS = 64  # kernels.warp_decode_batched.MAX_TOKENS
+DEDUP_MAX_SLOTS = 1024  # kernels.warp_decode_dedup.MAX_SLOTS
 
 # Without a measurement for this (E, k): warp decode while the routed slots (tokens * k) are at
 # most this many times E. Its weight traffic grows with the slots, the expert-centric path's
@@ -28,11 +32,13 @@ def _table() -> dict:
 
 
 def choose_path(tokens: int, top_k: int, experts: int) -> str:
-    """WARP_DECODE or EXPERT_CENTRIC for a CUDA MoE layer of this size."""
+    """The path (WARP_DECODE, WARP_DECODE_DEDUP, ...) for a CUDA MoE layer of this size."""
     entry = _table().get(f"E{experts}_k{top_k}")
     if entry is not None and entry.get("winners"):
         path = tuned.nearest(entry["winners"], tokens)
         if path == WARP_DECODE_BATCHED and tokens > BATCHED_MAX_TOKENS:
+            return EXPERT_CENTRIC
+        if path == WARP_DECODE_DEDUP and tokens * top_k > DEDUP_MAX_SLOTS:
             return EXPERT_CENTRIC
         return path
     ratio = DEFAULT_SLOTS_PER_EXPERT
@@ -72,6 +78,10 @@ def run_path(path: str, x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.T
         from kernels.warp_decode import warp_decode_moe
 
         return warp_decode_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    if path == WARP_DECODE_DEDUP:
+        from kernels.warp_decode_dedup import warp_decode_dedup_moe
+
+        return warp_decode_dedup_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
     if path == WARP_DECODE_BATCHED:
         from kernels.warp_decode_batched import warp_decode_batched_moe
 

@@ -1,8 +1,10 @@
-"""Block-size tuning for both MoE paths, run by `python -m kernels.bench_moe --tune` on the GPU.
+"""Block-size tuning for the MoE paths, run by `python -m kernels.bench_moe --tune` on the GPU.
 
 Each stage is tuned on its own (warp decode: kernel 1, kernel 2; expert-centric: align, gate_up,
 down for each BLOCK_M), every candidate timed as a CUDA graph over all the benchmark's weight
-sets, and checked once against the default config's output before it may win. Candidates are
+sets, and checked once against the default config's output before it may win. The overlap of
+warp decode's two kernels (programmatic dependent launch, L2 prefetch) only shows in the whole
+layer, so those choices and the deduplicated variant are timed as whole layers. Candidates are
 compiled first in parallel worker processes that fill Triton's on-disk cache, since compiling
 ~100 kernels one after another would cost minutes of device time.
 """
@@ -64,7 +66,7 @@ def _compile_job(job):
         return False
 
 
-def _compile(kind, shape, cfg_a, cfg_b, block_m):
+def _compile(kind, shape, cfg_a, cfg_b, block_m, tokens=2):
     hidden, inter, experts, top_k = shape
     if shape not in _worker_layer:
         _worker_layer.clear()
@@ -73,11 +75,15 @@ def _compile(kind, shape, cfg_a, cfg_b, block_m):
             torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16),
         )
     w_gate_up, w_down = _worker_layer[shape]
-    x = torch.randn(2, hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(2)])
-    weights = torch.rand(2, top_k, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device="cuda")
     if kind == "warp":
         wd.warp_decode_moe(x, w_gate_up, w_down, ids, weights, {"gate_up": cfg_a, "down": cfg_b})
+    elif kind == "dedup":
+        from kernels.warp_decode_dedup import warp_decode_dedup_moe
+
+        warp_decode_dedup_moe(x, w_gate_up, w_down, ids, weights, {"gate_up": cfg_a, "down": cfg_b})
     else:
         ec.fused_moe(x, w_gate_up, w_down, ids, weights,
                      {"BLOCK_M": block_m, "gate_up": cfg_a, "down": cfg_b})
@@ -90,12 +96,18 @@ def _pairs(a, b):
     return [(a[i % len(a)], b[i % len(b)]) for i in range(n)]
 
 
-def precompile(hidden, inter, experts, top_k, log=print):
+def precompile(hidden, inter, experts, top_k, log=print, jobs=None):
+    """Fill Triton's cache in worker processes: all candidates, or the given (kind, cfg_a, cfg_b,
+    block_m, tokens) jobs."""
     shape = (hidden, inter, experts, top_k)
-    jobs = [("warp", shape, a, b, 0)
-            for a, b in _pairs(_warp_gate_up_candidates(), _warp_down_candidates(top_k))]
-    for block_m in FUSED_BLOCK_M:
-        jobs += [("fused", shape, a, b, block_m) for a, b in _pairs(_gemm_candidates(), _gemm_candidates())]
+    if jobs is not None:
+        jobs = [(kind, shape, a, b, m, t) for kind, a, b, m, t in jobs]
+    else:
+        jobs = [("warp", shape, a, b, 0)
+                for a, b in _pairs(_warp_gate_up_candidates(), _warp_down_candidates(top_k))]
+        for block_m in FUSED_BLOCK_M:
+            jobs += [("fused", shape, a, b, block_m)
+                     for a, b in _pairs(_gemm_candidates(), _gemm_candidates())]
     workers = max(1, min(16, (os.cpu_count() or 2) - 1))
     log(f"precompiling {len(jobs)} candidate pairs in {workers} processes")
     try:
@@ -236,3 +248,105 @@ def tune_batched(layers, batches, inputs, replays=40, log=print):
         result["us"][str(batch)] = best_us
         log(f"B={batch:3d} batched warp decode: {best_us:7.2f} us {cfg}")
     return result
+
+
+# ---------------------------------------------------------------- overlap and deduplication
+
+DEDUP_GATE_UP = [
+    {"GROUP": g, "BLOCK_I": i, "BLOCK_H": h, "num_warps": w}
+    for g, i, h, w in ((1, 2, 1024, 4), (2, 2, 512, 4), (2, 2, 1024, 8), (4, 2, 512, 8),
+                       (2, 4, 512, 8), (4, 1, 1024, 4))
+]
+
+
+def _down_variants(down: dict) -> list:
+    """The tuned down config without overlap, with it, with it and the L2 prefetch, and the
+    prefetch at half and twice the hidden block (fewer or more programs to hold the rows)."""
+    base = {k: v for k, v in down.items() if k not in ("pdl", "prefetch", "preload")}
+    out = [dict(base, pdl=False, prefetch=False), dict(base, pdl=True, prefetch=False),
+           dict(base, pdl=True, prefetch=True), dict(base, pdl=True, preload=True)]
+    if base["BLOCK_H"] <= 4:  # a longer first chunk; past this the tile spills
+        out.append(dict(base, BLOCK_I=256, pdl=True, preload=True))
+    for block_h in (base["BLOCK_H"] // 2, base["BLOCK_H"] * 2):
+        if 1 <= block_h <= 8:
+            out.append(dict(base, BLOCK_H=block_h, pdl=True, preload=True))
+    return out
+
+
+def _layer_variants(base: dict, batch: int) -> list:
+    """Whole-layer warp decode candidates: the down variants, and while the routed down
+    matrices fit in L2 (B <= 2), kernel 1 prefetching them, with and without the overlap."""
+    gate_up = {k: v for k, v in base["gate_up"].items() if k != "prefetch_down"}
+    out = [{"gate_up": gate_up, "down": d} for d in _down_variants(base["down"])]
+    if batch <= 2:
+        out += [{"gate_up": dict(gate_up, prefetch_down=True), "down": d}
+                for d in _down_variants(base["down"])[:2]]
+    if batch == 1:  # kernel 1 with fewer, longer programs, under the overlap
+        for block_i, block_h in ((2, 2048), (4, 1024), (1, 2048)):
+            g = dict(gate_up, BLOCK_I=block_i, BLOCK_H=block_h)
+            out += [{"gate_up": g, "down": d} for d in _down_variants(base["down"])[1:4:2]]
+    return out
+
+
+def overlap_jobs(batches, warp_cfgs):
+    """Precompile jobs for `tune_overlap`: (kind, gate_up cfg, down cfg, block_m, tokens)."""
+    jobs = []
+    for batch in batches:
+        cfg = warp_cfgs(batch)
+        jobs += [("warp", c["gate_up"], c["down"], 0, batch) for c in _layer_variants(cfg, batch)]
+        if batch >= 2:
+            jobs += [("dedup", g, dict(cfg["down"], pdl=True, prefetch=True), 0, batch)
+                     for g in DEDUP_GATE_UP]
+    return jobs
+
+
+def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
+    """Per batch: warp decode's best down config with/without overlap (whole layer), and the
+    deduplicated variant's best kernel 1 (alone, then whole layer with the best down config).
+
+    Returns {"warp_decode": {"gate_up": {B: cfg}, "down": {B: cfg}},
+    "warp_decode_dedup": {"gate_up": {B: cfg}, "down": {B: cfg}}, "us": {B: {...}}}.
+    """
+    from kernels import warp_decode_dedup as dd
+
+    n = layers.n_layers
+    out = {"warp_decode": {"gate_up": {}, "down": {}},
+           "warp_decode_dedup": {"gate_up": {}, "down": {}}, "us": {}}
+    for batch in batches:
+        xs, ids, weights = inputs[batch]
+        args = [(xs[l], layers.w_gate_up[l], layers.w_down[l], ids[l], weights[l]) for l in range(n)]
+        reference_out = wd.warp_decode_moe(*args[0], config=warp_cfgs(batch))
+        base = warp_cfgs(batch)
+        trial = _layer_variants(base, batch)
+        times = _time_candidates("warp layer", trial, lambda c, l: wd.warp_decode_moe(*args[l], config=c),
+                                 reference_out, replays, n, log)
+        best, best_us = _best(times, trial, base)
+        out["warp_decode"]["gate_up"][str(batch)] = best["gate_up"]
+        out["warp_decode"]["down"][str(batch)] = best["down"]
+        us = {"warp_variants": [(trial[i], t) for i, t in times.items()], "warp": best_us,
+              "warp_gate_up": graph_time_us(
+                  lambda: [wd.gate_up_silu(xs[l], layers.w_gate_up[l], ids[l], base["gate_up"])
+                           for l in range(n)], replays) / n}
+        log(f"B={batch:3d} warp decode layer: {best_us:7.2f} us {best}  "
+            f"(variants: {', '.join(f'{t:.1f}' for t in times.values())})")
+
+        if batch >= 2:
+            base_act = wd.gate_up_silu(xs[0], layers.w_gate_up[0], ids[0], base["gate_up"])
+            t1 = _time_candidates(
+                "dedup gate_up", DEDUP_GATE_UP,
+                lambda c, l: dd.gate_up_dedup(xs[l], layers.w_gate_up[l], ids[l], c),
+                base_act, replays, n, log)
+            g_best, g_us = _best(t1, DEDUP_GATE_UP, dd.DEFAULT_GATE_UP)
+            layer = [{"gate_up": g_best, "down": d} for d in (best["down"], dict(best["down"], pdl=False))]
+            t2 = _time_candidates("dedup layer", layer,
+                                  lambda c, l: dd.warp_decode_dedup_moe(*args[l], config=c),
+                                  reference_out, replays, n, log)
+            d_best, d_us = _best(t2, layer, layer[0])
+            out["warp_decode_dedup"]["gate_up"][str(batch)] = d_best["gate_up"]
+            out["warp_decode_dedup"]["down"][str(batch)] = d_best["down"]
+            us.update(dedup_gate_up=g_us, dedup_gate_up_variants={str(DEDUP_GATE_UP[i]): t for i, t in t1.items()},
+                      dedup=d_us)
+            log(f"B={batch:3d} dedup: kernel 1 {g_us:7.2f} us {g_best} (plain {us['warp_gate_up']:.2f}); "
+                f"layer {d_us:7.2f} us")
+        out["us"][str(batch)] = us
+    return out

@@ -9,22 +9,64 @@ Two launches and nothing else — no sort, pad, scatter, combine or activation q
    all the token's top-k experts at once (the slot is a tile dimension, so k experts' loads are
    in flight together), folds each routing weight into the fp32 accumulator and writes once.
 
+On Hopper and later the pair can overlap (config `"pdl"`): kernel 2 is launched with
+programmatic dependent launch, kernel 1 lets it start as soon as every kernel-1 program is
+running, and kernel 2 loads its first chunk of down rows (`"preload"`) before it waits for
+kernel 1's activations. Those rows depend only on the routing, which is complete before
+kernel 1 starts, so part of kernel 2's weight traffic overlaps kernel 1's tail. (An L2
+prefetch of all its rows, `"prefetch"`, and kernel 1 prefetching them, `"prefetch_down"`, were
+measured slower; the tuner keeps them as candidates.)
+
 Work grows with T*k expert-row reads, so this is the decode path; `kernels.dispatch` switches
 to the expert-centric path (`kernels.fused_moe`) where that is measured to be faster.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import tuned
-from kernels.triton_env import next_pow2
+from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
 # past this the tile spills registers.
 DOWN_TILE_BUDGET = 16384
+L2_LINE_BYTES = 128
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper or later, a Triton with the griddepcontrol ops,
+    and not the CPU interpreter (which cannot run inline PTX)."""
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    cuda_ext = getattr(getattr(tl, "extra", None), "cuda", None)
+    if not hasattr(cuda_ext, "gdc_wait") or not hasattr(cuda_ext, "gdc_launch_dependents"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(cfg: dict, device: torch.device) -> bool:
+    return bool(cfg.get("pdl")) and device.type == "cuda" and pdl_supported(device.index or 0)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
+    """Ask L2 for the line holding each pointer; nothing comes back to registers."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -33,6 +75,7 @@ def _gate_up_silu_kernel(
     w_ptr,
     ids_ptr,
     out_ptr,
+    wdown_ptr,
     n_slots,
     hidden,
     inter,
@@ -40,11 +83,19 @@ def _gate_up_silu_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_wde,
+    down_lines,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVEN_I: tl.constexpr,
     EVEN_H: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr,
+    DOWN_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
+    if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     pid_i = tl.program_id(1)
     token = slot // top_k
@@ -64,17 +115,17 @@ def _gate_up_silu_kernel(
         if EVEN_H:
             xv = tl.load(x_ptrs).to(tl.float32)
             if EVEN_I:
-                gate = tl.load(gate_ptrs).to(tl.float32)
-                up = tl.load(up_ptrs).to(tl.float32)
+                gate = tl.load(gate_ptrs, eviction_policy=EVICT).to(tl.float32)
+                up = tl.load(up_ptrs, eviction_policy=EVICT).to(tl.float32)
             else:
-                gate = tl.load(gate_ptrs, mask=mask_i[:, None], other=0.0).to(tl.float32)
-                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0).to(tl.float32)
+                gate = tl.load(gate_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
+                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
         else:
             mask_h = (h0 + offs_h) < hidden
             mask_w = mask_i[:, None] & mask_h[None, :]
             xv = tl.load(x_ptrs, mask=mask_h, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=mask_w, other=0.0).to(tl.float32)
-            up = tl.load(up_ptrs, mask=mask_w, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=mask_w, other=0.0, eviction_policy=EVICT).to(tl.float32)
+            up = tl.load(up_ptrs, mask=mask_w, other=0.0, eviction_policy=EVICT).to(tl.float32)
         acc_gate += gate * xv[None, :]
         acc_up += up * xv[None, :]
         x_ptrs += BLOCK_H
@@ -85,6 +136,12 @@ def _gate_up_silu_kernel(
     up_sum = tl.sum(acc_up, axis=1)
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + slot * inter + offs_i, act.to(out_ptr.dtype.element_ty), mask=mask_i)
+    if DOWN_LINES > 0:
+        # This program's share of the expert's down matrix, pulled into L2 (kept there) while
+        # the rest of the launch streams gate/up, so kernel 2 reads it from L2.
+        chunk = tl.cdiv(down_lines, tl.num_programs(1))
+        lines = tl.minimum(pid_i * chunk + tl.minimum(tl.arange(0, DOWN_LINES), chunk - 1), down_lines - 1)
+        _prefetch_l2(wdown_ptr + expert * stride_wde + lines.to(tl.int64) * LINE_ELEMS, EVICT_LAST=True)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -107,6 +164,10 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     EVEN_H: tl.constexpr,
     EVEN_I: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -114,12 +175,19 @@ def _down_kernel(
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < top_k
     slots = token * top_k + offs_k
-    experts = tl.load(ids_ptr + slots, mask=mask_k, other=0).to(tl.int64)
+    # Padded slots repeat the last real expert: harmless for the prefetch (same lines).
+    experts = tl.load(ids_ptr + token * top_k + tl.minimum(offs_k, top_k - 1)).to(tl.int64)
     route_w = tl.load(weights_ptr + slots, mask=mask_k, other=0.0).to(tl.float32)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_I)
     mask_h = offs_h < hidden
+    if PREFETCH_LINES > 0:
+        # The routing is complete before kernel 1 starts, so these rows are known now.
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES), (inter - 1) // LINE_ELEMS)
+        rows = tl.minimum(offs_h, hidden - 1)
+        _prefetch_l2(w_ptr + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wh
+                     + lines[None, None, :] * LINE_ELEMS)
     w_ptrs = (
         w_ptr
         + experts[:, None, None] * stride_we
@@ -127,9 +195,20 @@ def _down_kernel(
         + offs_i[None, None, :]
     )
     a_ptrs = act_ptr + slots[:, None] * inter + offs_i[None, :]
-
     acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I], dtype=tl.float32)
-    for i0 in range(0, inter, BLOCK_I):
+    if PRELOAD:  # the first chunk of down rows needs only the routing: load it before the wait
+        mask_a0 = mask_k[:, None] & (offs_i < inter)[None, :]
+        w0 = tl.load(w_ptrs, mask=mask_a0[:, None, :] & mask_h[None, :, None], other=0.0)
+    if PDL:  # kernel 1's activations are visible after this
+        tl.extra.cuda.gdc_wait()
+    i_start = 0
+    if PRELOAD:
+        a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
+        acc += w0.to(tl.float32) * a0[:, None, :]
+        a_ptrs += BLOCK_I
+        w_ptrs += BLOCK_I
+        i_start = BLOCK_I
+    for i0 in range(i_start, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
             a = tl.load(a_ptrs).to(tl.float32)
             w = tl.load(w_ptrs).to(tl.float32)
@@ -149,7 +228,9 @@ def _down_kernel(
 
 
 DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
-DEFAULT_DOWN = {"BLOCK_H": 8, "BLOCK_I": 128, "num_warps": 4}
+# "pdl": overlap with kernel 1 where supported; "prefetch": L2 prefetch of the down rows first;
+# "preload": the first chunk of down rows loaded into registers before waiting for kernel 1.
+DEFAULT_DOWN = {"BLOCK_H": 8, "BLOCK_I": 128, "num_warps": 4, "pdl": False, "prefetch": False}
 
 
 def default_configs(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
@@ -199,31 +280,57 @@ def warp_decode_moe(
     cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
-    act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"])
+    pdl = use_pdl(cfg["down"], x.device)
+    act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"], launch_deps=pdl, w_down=w_down)
     return down(act, w_down, ids, route_w, cfg["down"])
 
 
-def gate_up_silu(x, w_gate_up, ids, cfg: dict) -> torch.Tensor:
-    """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype."""
+def gate_up_silu(x, w_gate_up, ids, cfg: dict, launch_deps: bool = False, w_down=None) -> torch.Tensor:
+    """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype.
+
+    cfg["prefetch_down"] (GPU only, needs `w_down`): each program also pulls a share of its
+    expert's down matrix into L2, and gate/up loads are marked evict-first so it stays there.
+    Only worth it while the routed down matrices fit in L2 (a token or two).
+    """
     n_tokens, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     top_k = ids.shape[1]
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     block_i = _fit(cfg["BLOCK_I"], inter)
     block_h = _fit(cfg["BLOCK_H"], hidden)
-    _gate_up_silu_kernel[(n_tokens * top_k, triton.cdiv(inter, block_i))](
-        x, w_gate_up, ids, act,
+    n_i = triton.cdiv(inter, block_i)
+    line_elems = max(1, L2_LINE_BYTES // x.element_size())
+    prefetch = bool(cfg.get("prefetch_down")) and w_down is not None and x.is_cuda and not interpreting()
+    down_lines = triton.cdiv(hidden * inter, line_elems) if prefetch else 0
+    _gate_up_silu_kernel[(n_tokens * top_k, n_i)](
+        x, w_gate_up, ids, act, w_down if prefetch else w_gate_up,
         n_tokens * top_k, hidden, inter, top_k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        w_down.stride(0) if prefetch else 0, down_lines,
         BLOCK_I=block_i, BLOCK_H=block_h,
-        EVEN_I=inter % block_i == 0, EVEN_H=hidden % block_h == 0,
-        num_warps=cfg["num_warps"],
+        EVEN_I=inter % block_i == 0, EVEN_H=hidden % block_h == 0, LAUNCH_DEPS=launch_deps,
+        DOWN_LINES=next_pow2(triton.cdiv(down_lines, n_i)) if prefetch else 0,
+        LINE_ELEMS=line_elems, EVICT="evict_first" if prefetch else "",
+        **_launch_opts(cfg),
     )
     return act
 
 
+def _launch_opts(cfg: dict, pdl: bool = False) -> dict:
+    opts = {"num_warps": cfg["num_warps"]}
+    if "num_stages" in cfg and not interpreting():
+        opts["num_stages"] = cfg["num_stages"]
+    if pdl:
+        opts["launch_pdl"] = True
+    return opts
+
+
 def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
-    """Kernel 2: y [T, H] = sum over the token's slots of route_w * (w_down[e] @ act[slot])."""
+    """Kernel 2: y [T, H] = sum over the token's slots of route_w * (w_down[e] @ act[slot]).
+
+    With cfg["pdl"] (where supported) this must be launched right after the kernel that writes
+    `act`, with nothing else between that the activations depend on: it waits only for that one.
+    """
     n_tokens, top_k = ids.shape
     experts, hidden, inter = w_down.shape
     y = torch.empty(n_tokens, hidden, dtype=act.dtype, device=act.device)
@@ -232,12 +339,17 @@ def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
     block_i = _fit(cfg["BLOCK_I"], inter)
     while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
         block_i //= 2  # many experts per token: keep the 3-D tile in registers
+    pdl = use_pdl(cfg, act.device)
+    line_elems = max(1, L2_LINE_BYTES // w_down.element_size())
+    prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if pdl and cfg.get("prefetch") else 0
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act, w_down, ids, route_w, y,
         n_tokens, hidden, inter, top_k,
         w_down.stride(0), w_down.stride(1), y.stride(0),
         K_PAD=k_pad, BLOCK_H=block_h, BLOCK_I=block_i,
         EVEN_K=k_pad == top_k, EVEN_H=hidden % block_h == 0, EVEN_I=inter % block_i == 0,
-        num_warps=cfg["num_warps"],
+        PDL=pdl, PREFETCH_LINES=prefetch_lines, LINE_ELEMS=line_elems,
+        PRELOAD=bool(cfg.get("preload")),
+        **_launch_opts(cfg, pdl),
     )
     return y

@@ -1,4 +1,4 @@
-"""Triton MoE kernels (warp decode, expert-centric fused MoE, router, dispatcher) against the
+"""Triton MoE kernels (warp decode and its variants, expert-centric fused MoE, router, dispatcher) against the
 torch references, through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 
 The interpreter truncates fp32 -> bf16 instead of rounding, so outputs are compared with a
@@ -13,8 +13,10 @@ from kernels import dispatch, reference
 from kernels.fused_moe import fused_moe
 from kernels.moe_align import align_by_expert
 from kernels.router import route as triton_route
+from kernels import warp_decode as wd
 from kernels.warp_decode import warp_decode_moe
 from kernels.warp_decode_batched import warp_decode_batched_moe
+from kernels.warp_decode_dedup import warp_decode_dedup_moe
 
 # Small tiles so the K loops run several steps and the masks see ragged tails.
 WARP_SMALL = {
@@ -79,6 +81,44 @@ def test_warp_decode_matches_reference(shape):
     layer = make_layer(*shape, seed=hash(shape) % 1000)
     y = warp_decode_moe(*layer, config=WARP_SMALL)
     check_moe(y, *layer, reference.moe_output_centric)
+
+
+def test_warp_decode_overlap_config_falls_back_without_pdl():
+    # The interpreter cannot run griddepcontrol / prefetch PTX: an overlap config must run as
+    # the plain pair there (and on GPUs before Hopper).
+    assert not wd.pdl_supported(0)
+    layer = make_layer(5, 70, 40, 6, 3, seed=31)
+    cfg = {"gate_up": dict(WARP_SMALL["gate_up"], prefetch_down=True),
+           "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True)}
+    check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_warp_decode_preloaded_first_chunk(shape):
+    # The down kernel's first chunk loaded ahead of the (PDL) wait, then the loop from chunk 2.
+    layer = make_layer(*shape, seed=hash(shape) % 1000 + 5)
+    cfg = {"gate_up": WARP_SMALL["gate_up"], "down": dict(WARP_SMALL["down"], pdl=True, preload=True)}
+    check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
+
+
+def _dedup_small(group):
+    return {"gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "GROUP": group, "num_warps": 4},
+            "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True)}
+
+
+# Many tokens over few experts: most experts serve several tokens, more than one GROUP pass.
+@pytest.mark.parametrize("shape,group", [(s, 2) for s in SHAPES] + [((20, 64, 48, 8, 2), 1),
+                                                                   ((13, 40, 24, 4, 3), 4)])
+def test_dedup_warp_decode_matches_reference(shape, group):
+    layer = make_layer(*shape, seed=hash(shape) % 1000 + 3)
+    y = warp_decode_dedup_moe(*layer, config=_dedup_small(group))
+    check_moe(y, *layer, reference.moe_output_centric)
+
+
+def test_dedup_warp_decode_default_config_and_int32_ids():
+    x, w_gate_up, w_down, ids, weights = make_layer(6, 64, 48, 8, 2, seed=13)
+    layer = (x, w_gate_up, w_down, ids.to(torch.int32), weights)
+    check_moe(warp_decode_dedup_moe(*layer), *layer, reference.moe_output_centric)
 
 
 BATCHED_SMALL = {
@@ -163,20 +203,25 @@ def test_dispatch_cpu_uses_references():
 
 def test_dispatch_triton_paths_match_reference():
     layer = make_layer(3, 64, 48, 8, 2, seed=5)
-    for path in (dispatch.WARP_DECODE, dispatch.WARP_DECODE_BATCHED, dispatch.EXPERT_CENTRIC):
+    for path in (dispatch.WARP_DECODE, dispatch.WARP_DECODE_DEDUP, dispatch.WARP_DECODE_BATCHED,
+                 dispatch.EXPERT_CENTRIC):
         check_moe(dispatch.run_path(path, *layer), *layer, reference.moe_float64)
 
 
 def test_choose_path_follows_crossover_table(monkeypatch):
     table = {"E128_k8": {"experts": 128, "slots_per_expert": 0.5,
                          "winners": {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric",
-                                     "64": "warp_decode_batched"}}}
+                                     "64": "warp_decode_batched"}},
+             "E64_k16": {"experts": 64, "slots_per_expert": 0.5,
+                         "winners": {"2": "warp_decode", "8": "warp_decode_dedup"}}}
     monkeypatch.setattr(dispatch, "_table", lambda: table)
     assert dispatch.choose_path(1, 8, 128) == dispatch.WARP_DECODE
     assert dispatch.choose_path(9, 8, 128) == dispatch.WARP_DECODE
     assert dispatch.choose_path(20, 8, 128) == dispatch.EXPERT_CENTRIC
     assert dispatch.choose_path(64, 8, 128) == dispatch.WARP_DECODE_BATCHED
     assert dispatch.choose_path(65, 8, 128) == dispatch.EXPERT_CENTRIC  # past the token tile
+    assert dispatch.choose_path(8, 16, 64) == dispatch.WARP_DECODE_DEDUP
+    assert dispatch.choose_path(65, 16, 64) == dispatch.EXPERT_CENTRIC  # past the slot limit
     # Unmeasured (E, k): the slots-per-expert rule of the nearest measured E.
     assert dispatch.choose_path(4, 8, 256) == dispatch.WARP_DECODE
     assert dispatch.choose_path(64, 8, 256) == dispatch.EXPERT_CENTRIC
