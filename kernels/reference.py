@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32, scaled after the cast back (as HF does)."""
+    if x.dtype == torch.float32:  # the same arithmetic in one call (fewer ops per decode step)
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -68,11 +70,16 @@ def attention(
     group = n_q // n_kv
     qg = q.reshape(batch, n_kv, group * n_tokens, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))  # [B, Hkv, G*T, S]
-    allowed = causal_mask(q_positions, seq, sliding_window)  # [B, T, S]
-    if kv_len is not None:
-        allowed &= torch.arange(seq, device=q.device)[None, None, :] < kv_len[:, None, None]
-    allowed = allowed[:, None, None].expand(batch, 1, group, n_tokens, seq).reshape(batch, 1, group * n_tokens, seq)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    # A lone query at the last position (decode of one sequence) sees every key: no mask to
+    # build. Checked on the CPU only, where reading the position is no device sync.
+    sees_all = (q.device.type == "cpu" and batch == 1 and n_tokens == 1 and kv_len is None
+                and sliding_window is None and int(q_positions[0, 0]) == seq - 1)
+    if not sees_all:
+        allowed = causal_mask(q_positions, seq, sliding_window)  # [B, T, S]
+        if kv_len is not None:
+            allowed &= torch.arange(seq, device=q.device)[None, None, :] < kv_len[:, None, None]
+        allowed = allowed[:, None, None].expand(batch, 1, group, n_tokens, seq).reshape(batch, 1, group * n_tokens, seq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).reshape(batch, n_q, n_tokens, head_dim)
 
@@ -96,15 +103,21 @@ def attention_over_runs(
     group = n_q // n_kv
     qg = q.reshape(n_kv, group * n_tokens, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
-    scores = torch.cat([torch.einsum("hmd,nhd->hmn", qg, k) for k in key_runs], dim=-1) * scale
+    # Plain matmuls over [Hkv, n, D] views: einsum's per-call parsing and permutes cost more
+    # than the product itself at decode sizes.
+    parts = [torch.matmul(qg, k.permute(1, 2, 0)) for k in key_runs]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale
     seq = scores.shape[-1]
-    allowed = causal_mask(q_positions, seq, sliding_window)  # [T, S]
-    allowed = allowed[None].expand(group, n_tokens, seq).reshape(1, group * n_tokens, seq)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    # A lone query at the last position sees every key: no mask to build.
+    if n_tokens > 1 or sliding_window is not None or int(q_positions[-1]) != seq - 1:
+        allowed = causal_mask(q_positions, seq, sliding_window)  # [T, S]
+        allowed = allowed[None].expand(group, n_tokens, seq).reshape(1, group * n_tokens, seq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = None
     start = 0
     for v in value_runs:
-        part = torch.einsum("hmn,nhd->hmd", probs[..., start : start + v.shape[0]], v)
+        part = torch.matmul(probs[..., start : start + v.shape[0]], v.transpose(0, 1))
         out = part if out is None else out + part
         start += v.shape[0]
     return out.reshape(n_q, n_tokens, head_dim)
@@ -137,23 +150,25 @@ def moe_expert_centric(
     """
     n_tokens, k = topk_ids.shape
     inter = w_down.shape[2]
-    out = torch.zeros(n_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
+    tokens = order // k  # the token of each (token, expert) pair, grouped by expert
+    x_sorted = x[tokens]  # one gather for all experts, then contiguous row ranges
+    weights = topk_weights.reshape(-1)[order].to(x.dtype)
     counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    ys = []
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        slots = order[start : start + count]
-        start += count
-        tokens = slots // k
-        gate_up = F.linear(x[tokens], w_gate_up[expert])
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(hidden, w_down[expert])
-        weight = topk_weights.reshape(-1)[slots].to(y.dtype)
-        out.index_add_(0, tokens, (y * weight[:, None]).float())
-    return out.to(x.dtype)
+        end = start + count
+        gate_up = F.linear(x_sorted[start:end], w_gate_up[expert])
+        ys.append(F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[expert]))
+        start = end
+    y = torch.cat(ys) * weights[:, None]
+    # One scatter-add in expert order: the same fp32 sums as adding expert by expert.
+    out = torch.zeros(n_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, y.float()).to(x.dtype)
 
 
 def moe_output_centric(
@@ -166,16 +181,25 @@ def moe_output_centric(
     """Each token gathers its top-k experts' rows; fp32 accumulation; routing weights folded in.
 
     The CPU analogue of warp decode: no sort, no grouping, one fp32 sum per output. Cost grows
-    with T*k expert reads, so it is the decode path (few tokens), not the prefill path.
+    with T*k expert reads, so it is the decode path (few tokens), not the prefill path. The sum
+    over the k experts runs in topk order, as the kernel's does.
     """
     inter = w_down.shape[2]
     x32 = x.float()
-    gate_up = torch.einsum("th,tkoh->tko", x32, w_gate_up[topk_ids].float())  # [T, k, 2I]
-    hidden = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-    # Round the intermediate to the activation dtype, as the kernel stores it between its two launches.
-    hidden = hidden.to(x.dtype).float()
-    y = torch.einsum("tki,tkhi->tkh", hidden, w_down[topk_ids].float())
-    return (y * topk_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+    weights = topk_weights.float()
+    rows = []
+    for t, experts in enumerate(topk_ids.tolist()):
+        acc = None
+        for j, e in enumerate(experts):
+            # The expert's weights are read in place: indexing w[topk_ids] would copy them.
+            gate_up = F.linear(x32[t], w_gate_up[e].float())
+            hidden = F.silu(gate_up[:inter]) * gate_up[inter:]
+            # Round the intermediate to the activation dtype, as the kernel stores it between its two launches.
+            hidden = hidden.to(x.dtype).float()
+            y = F.linear(hidden, w_down[e].float()) * weights[t, j]
+            acc = y if acc is None else acc + y
+        rows.append(acc)
+    return torch.stack(rows).to(x.dtype)
 
 
 def moe_float64(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
