@@ -133,6 +133,24 @@ def fill_pool(pool: KVPool, seed: int = 0) -> None:
             store.copy_(torch.randn(store.shape, generator=gen, device=store.device, dtype=torch.float32))
 
 
+def step_variants(cfg, batch: int, context: int):
+    """(name, projection function or None, attention splits or None) to time against the default."""
+    from functools import partial
+
+    from kernels.gemv import MAX_ROWS, skinny_linear
+    from kernels.paged_attention import default_splits
+
+    auto = default_splits(batch, cfg.num_kv_heads, context + 16)
+    yield f"default (cuBLAS, {auto} splits)", None, None
+    for splits in (8, 16, 32):
+        if splits != auto:
+            yield f"attention {splits} splits", None, splits
+    if batch <= MAX_ROWS:
+        for block_n, block_k, warps in ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 128, 4), (64, 128, 8)):
+            yield f"skinny linear n{block_n} k{block_k} w{warps}", \
+                partial(skinny_linear, block_n=block_n, block_k=block_k, num_warps=warps), None
+
+
 def zero_moe(x, w_gate_up, w_down, topk_ids, topk_weights):
     return torch.zeros_like(x)
 
@@ -244,6 +262,23 @@ def main(argv=None) -> int:
     split["rest"] = split["neither"]
     results["split_ms"] = split
     log("  " + ", ".join(f"{k} {v:.3f} ms" for k, v in split.items()))
+
+    # -- kernel choices for the step, side by side (each its own graph) ----------------------------
+    variants = {}
+    for batch in sorted({split_batch, *batches}):
+        for name, linear, splits in step_variants(cfg, batch, split_context):
+            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,))
+            step = graphs.steps[batch]
+            if linear is not None:
+                step.linear = linear
+            if splits is not None:
+                step.n_splits = splits
+            ms = bench.step_time(graphs, batch, split_context) * 1e3
+            variants[f"B{batch} {name}"] = ms
+            log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
+            del graphs
+    results["step_variants_ms"] = variants
+    save()
 
     graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)
     eager_step = bench.step_time(graphs, split_batch, split_context) * 1e3

@@ -49,7 +49,9 @@ class DecodeStep:
             self.k_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.v_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.scratch_slots = torch.arange(rows, device=device)
-        self.attention = paged_decode_attention  # benchmarks swap stages out to time them
+        # Benchmarks swap these out (to time a stage, or another kernel) before capture.
+        self.attention = paged_decode_attention
+        self.linear = F.linear  # the q/k/v and o projections
         self.logits: torch.Tensor | None = None  # [rows, V] fp32, written by each call
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits
 
@@ -87,11 +89,11 @@ class DecodeStep:
         delta = None
         for index, layer in enumerate(model.layers):
             x, h = add_rms_norm(x, delta, layer.input_norm, eps)
-            q = self._q_and_store_kv(index, layer, F.linear(h, layer.w_qkv, layer.b_qkv), cos, sin)
+            q = self._q_and_store_kv(index, layer, self.linear(h, layer.w_qkv, layer.b_qkv), cos, sin)
             scales = (pool.key_scales[index], pool.value_scales[index]) if pool.fp8 else (None, None)
             attn = self.attention(q, pool.keys[index], pool.values[index], self.tables, self.lengths,
                                           pool.block_size, *scales, n_splits=self.n_splits)
-            delta = F.linear(attn.reshape(self.rows, -1), layer.w_o, layer.b_o)
+            delta = self.linear(attn.reshape(self.rows, -1), layer.w_o, layer.b_o)
             x, h = add_rms_norm(x, delta, layer.post_attention_norm, eps)
             delta = model.mlp(h, layer)
         _, h = add_rms_norm(x, delta, model.final_norm, eps)
