@@ -65,7 +65,7 @@ def moe(
     if x.is_cuda:
         path = choose_path(tokens, top_k, experts)
         return run_path(path, x, w_gate_up, w_down, topk_ids, topk_weights)
-    # CPU: the output-centric reference gathers T*k experts' weights, fine for a few tokens;
+    # CPU: the output-centric reference reads T*k experts' weights, fine for a few tokens;
     # past one slot per expert, grouping by expert reads less.
     if tokens * top_k <= experts:
         return reference.moe_output_centric(x, w_gate_up, w_down, topk_ids, topk_weights)
