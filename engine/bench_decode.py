@@ -28,12 +28,7 @@ import torch
 
 from engine.decode_graph import DecodeGraphs
 from engine.kv_pool import KVPool, PagedBatch
-from engine.random_model import QWEN3_30B_A3B, random_model
-
-TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=4096)
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+from engine.random_model import SHAPES, random_model
 
 
 def expected_experts(batch: int, experts: int, top_k: int) -> float:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
+from kernels.moe_inputs import moe_inputs
 from kernels.moe_align import align_by_expert
 from kernels.triton_env import interpreting
 
@@ -190,22 +191,13 @@ def fused_moe(
     x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I]; topk_ids [T, k] int;
     topk_weights [T, k] fp32. Returns y [T, H] in x's dtype. `config` overrides the tuned tiles.
     """
-    n_tokens, hidden = x.shape
-    experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
-    assert topk_ids.shape == topk_weights.shape == (n_tokens, top_k)
+    x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
+        x, w_gate_up, w_down, topk_ids, topk_weights)
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
 
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
-    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    route_w = topk_weights.to(torch.float32).contiguous()
-
     cfg = config or default_config(n_tokens, hidden, inter, experts, top_k)
-    grouping = align_by_expert(topk_ids.contiguous(), experts, cfg["BLOCK_M"])
+    grouping = align_by_expert(ids, experts, cfg["BLOCK_M"])
     act = gate_up_stage(x, w_gate_up, grouping, top_k, cfg["BLOCK_M"], cfg["gate_up"])
     per_slot = down_stage(act, w_down, route_w, grouping, cfg["BLOCK_M"], cfg["down"])
     if top_k == 1:

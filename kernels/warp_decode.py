@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
+from kernels.moe_inputs import moe_inputs
 from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
@@ -264,19 +265,8 @@ def warp_decode_moe(
     intermediate silu(gate)*up stored in x's dtype between the two launches.
     `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning).
     """
-    n_tokens, hidden = x.shape
-    experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
-    assert topk_ids.shape == topk_weights.shape == (n_tokens, top_k)
-
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
-    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    ids = topk_ids.contiguous()
-    route_w = topk_weights.to(torch.float32).contiguous()
-
+    x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
+        x, w_gate_up, w_down, topk_ids, topk_weights)
     cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)

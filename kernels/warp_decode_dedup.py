@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels import tuned
 from kernels import warp_decode as wd
+from kernels.moe_inputs import moe_inputs
 from kernels.triton_env import next_pow2
 
 MAX_SLOTS = 1024  # T*k ids held in registers by every program
@@ -141,19 +142,10 @@ def warp_decode_dedup_moe(x, w_gate_up, w_down, topk_ids, topk_weights, config=N
     Needs T*k <= 1024 and distinct experts within a token (as top-k gives).
     `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes.
     """
-    n_tokens, hidden = x.shape
-    experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
-    assert topk_ids.shape == topk_weights.shape == (n_tokens, top_k)
+    x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
+        x, w_gate_up, w_down, topk_ids, topk_weights)
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
-    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    ids = topk_ids.contiguous()
-    route_w = topk_weights.to(torch.float32).contiguous()
 
     cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
     pdl = wd.use_pdl(cfg["down"], x.device)
