@@ -239,3 +239,34 @@ def test_slot_runs_merge_consecutive_blocks():
     assert slot_runs([3, 4, 5], 4, 10) == [(12, 22)]
     assert slot_runs([3, 7, 8, 2], 4, 16) == [(12, 16), (28, 36), (8, 12)]
     assert slot_runs([3, 7], 4, 5) == [(12, 16), (28, 29)]
+
+
+def test_partial_block_copy_is_reserved_at_admission(tiny):
+    """Reusing part of a cached block takes one more block (its copy): admission must count and
+    take it, so a request admitted alongside cannot leave it without one."""
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=6, block_size=4)
+    warm = [11, 12, 13, 14, 15, 16]  # one full block and a partly filled one, cached
+    run(engine, Request(warm, warm_only=True))
+    events = {}
+    engine.submit(Request(warm + [17], max_tokens=1, stop_at_eos=False), lambda e: events.setdefault("b", e))
+    engine.submit(Request(list(range(30, 45)), max_tokens=1, stop_at_eos=False),
+                  lambda e: events.setdefault("c", []).append(e))
+    engine.run_until_idle()
+    assert events["b"].kind == "done", events["b"].error
+    assert events["c"][-1].kind == "done"
+    engine.allocator.check_invariants()
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_request_as_large_as_the_pool_recomputes_a_partial_hit(tiny):
+    """When the copy of a partly reused block is the one block too many, the request computes
+    those tokens again instead of waiting for a block that can never come."""
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=3, block_size=4)
+    warm = [11, 12, 13, 14, 15, 16]
+    run(engine, Request(warm, warm_only=True))
+    _, done = run(engine, Request(warm + [17], max_tokens=5, stop_at_eos=False))  # 12 tokens: the whole pool
+    assert done.kind == "done" and done.usage["completion_tokens"] == 5
+    assert done.usage["cached_tokens"] == 4  # the whole block only
+    engine.allocator.check_invariants()
