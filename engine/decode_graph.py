@@ -68,12 +68,12 @@ class DecodeStep:
         width = max(len(t) for t in tables)
         if width > self.tables.shape[1]:
             raise ValueError(f"block table of {width} blocks; the step was built for {self.tables.shape[1]}")
-        host = torch.empty(self.rows, width, dtype=torch.int32)
-        for row, (table, position) in enumerate(zip(tables, positions)):
+        for table, position in zip(tables, positions):
             if position // bs >= len(table):
                 raise ValueError(f"position {position} is past the row's {len(table)} blocks")
-            host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            host[row, len(table):] = table[-1]  # never read (past the row's length)
+        # One conversion for all rows (this runs every step); short rows repeat their last block,
+        # which is never read (past the row's length).
+        host = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions)
         slots = host.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         slots[n:] = self.pool.scratch_block * bs + torch.arange(pad) % bs

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from engine.model import CPU_OUTPUT_CENTRIC_MAX_PAIRS, Qwen3MoeModel
+from engine.random_model import SHAPES, random_model
 from kernels import dispatch
 from kernels import reference as ref
 
@@ -151,23 +152,8 @@ def load_model_shard(model_dir, dtype=None, device="cpu", group=None) -> Qwen3Mo
 
 
 # -- random weights of a real shape, for measuring ----------------------------------------------
-QWEN3_235B_A22B = dict(
-    architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
-    num_attention_heads=64, num_key_value_heads=4, head_dim=128, intermediate_size=12288,
-    moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-)
-TINY = dict(
-    architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-    moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
-)
-
-
 def random_model_shard(config: dict, dtype, device, layers: int | None = None, group=None, seed: int = 0):
     """This rank's share of a random-weight model; replicated weights broadcast from rank 0."""
-    from engine.random_model import random_model
 
     config = dict(config, **({"num_hidden_layers": layers} if layers else {}))
     experts = expert_range(config["num_experts"], dist.get_rank(group), dist.get_world_size(group))
@@ -185,12 +171,6 @@ def random_model_shard(config: dict, dtype, device, layers: int | None = None, g
     for tensor in {id(t): t for t in (model.embed, model.lm_head, model.final_norm)}.values():
         dist.broadcast(tensor, src, group=group)
     return shard(model, experts, group)
-
-
-def _shapes() -> dict:
-    from engine.random_model import QWEN3_30B_A3B
-
-    return {"qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-235b-a22b": QWEN3_235B_A22B, "tiny": TINY}
 
 
 def bench_decode(model: Qwen3MoeModel, batch: int, context: int = 128, steps: int = 32) -> dict:
@@ -214,7 +194,7 @@ def bench_decode(model: Qwen3MoeModel, batch: int, context: int = 128, steps: in
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.parallel", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="Hugging Face Qwen3-MoE folder")
-    p.add_argument("--random-shape", choices=sorted(_shapes()), help="random weights of this shape (with --bench)")
+    p.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of this shape (with --bench)")
     p.add_argument("--layers", type=int, help="with --random-shape: only this many layers")
     p.add_argument("--prompt")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -231,7 +211,7 @@ def main(argv=None) -> int:
 
     dtype = resolve_dtype(args.dtype, device)
     if args.random_shape:
-        model = random_model_shard(_shapes()[args.random_shape], dtype, device, layers=args.layers)
+        model = random_model_shard(SHAPES[args.random_shape], dtype, device, layers=args.layers)
     else:
         model = load_model_shard(args.model, dtype=dtype, device=device)
     model.moe_path = args.moe_path

@@ -52,7 +52,12 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+QWEN3_235B_A22B = dict(
+    QWEN3_30B_A3B, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, intermediate_size=12288,
+    moe_intermediate_size=1536, rope_theta=1000000.0, max_position_embeddings=40960,
+)
+
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-235b-a22b": QWEN3_235B_A22B, "tiny": TINY}
 
 
 def shape_config(name: str, vocab_size: int | None = None) -> dict:
