@@ -340,10 +340,12 @@ class Engine:
         start, end = a.computed, min(len(prompt), a.computed + self.prefill_chunk)
         t0 = time.monotonic()
         a.table.prepare_write(start, end)
+        greedy = None
         if self.graphs is not None and end - start <= self.graphs.max_rows:
             # A short tail after a cache hit: one graph replay, a row per new token.
-            logits, _ = self.graphs.run(prompt[start:end], list(range(start, end)), [a.table.blocks] * (end - start))
-            logits = logits[None]
+            logits, greedy = self.graphs.run(prompt[start:end], list(range(start, end)),
+                                             [a.table.blocks] * (end - start))
+            logits, greedy = logits[None], greedy[-1]
         else:
             device = self.model.device
             tokens = torch.tensor([prompt[start:end]], device=device)
@@ -359,7 +361,7 @@ class Engine:
         if a.request.warm_only:
             self._finish(a, "warmed")
             return
-        self._accept(a, logits[0, -1], first=True)
+        self._accept(a, logits[0, -1], first=True, greedy_token=greedy)
 
     def _decode_step(self, batch: list[_Active]) -> None:
         device = self.model.device
@@ -378,12 +380,13 @@ class Engine:
             a.computed += 1
             self._accept(a, logits[i], greedy_token=greedy[i] if greedy is not None else None)
 
-    def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False, greedy_token: int | None = None) -> None:
+    def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False,
+                greedy_token: int | torch.Tensor | None = None) -> None:
         req = a.request
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
         if greedy_token is not None and req.temperature < GREEDY_BELOW:
-            token = greedy_token
+            token = int(greedy_token)  # argmax already taken on the device
         else:
             token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
         if first:
