@@ -35,12 +35,26 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
     (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
 
 
+# A run resumes from a checkpoint folder or from an exported model folder (the shipped model).
+EXPORTED_WEIGHTS, EXPORTED_STATE, EXPORTED_LOG = "model.safetensors", "training_state.json", "training_log.jsonl"
+
+
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    shards = sorted(Path(ckpt).glob("model-*.safetensors")) or [Path(ckpt) / EXPORTED_WEIGHTS]
     weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(Path(ckpt).glob("model-*.safetensors")):
+    for shard in shards:
         weights.update(load_file(str(shard)))
     return weights
 
 
 def load_state(ckpt: Path) -> dict:
-    return json.loads((Path(ckpt) / "state.json").read_text())
+    path = Path(ckpt) / "state.json"
+    return json.loads((path if path.exists() else Path(ckpt) / EXPORTED_STATE).read_text())
+
+
+def previous_log(ckpt: Path) -> Path | None:
+    """The training log that goes with a checkpoint (a run's OUT/log.jsonl, or an exported one)."""
+    for path in (Path(ckpt).parent / "log.jsonl", Path(ckpt) / EXPORTED_LOG):
+        if path.exists():
+            return path
+    return None

@@ -17,8 +17,11 @@ from tokenizers import Tokenizer
 from .fim_format import ENDOFTEXT, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 
 CHUNK_CHARS = 3000       # about 800 tokens, so one FIM example fits in one 1024-token row
-P_PSM, P_SPM = 0.3, 0.3  # the rest (0.4) is plain left-to-right
-P_LINE_ALIGNED = 0.5
+# SPM is the order the server prompts with (suffix first keeps the prefix cache warm), so it gets
+# the larger share; PSM stays in the mix for PSM-only clients. The rest (0.3) is left-to-right.
+P_PSM, P_SPM = 0.25, 0.45
+P_LINE_ALIGNED = 0.6     # an editor mostly completes at a line's indentation: a line or a block
+P_INDENT_IN_PREFIX = 0.75
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -54,7 +57,7 @@ def fim_split(text: str, rng: random.Random) -> tuple[str, str, str]:
         n_lines = min(len(starts) - a, 1 if rng.random() < 0.5 else rng.randint(2, 8))
         start = starts[a]
         end = starts[a + n_lines] - 1 if a + n_lines < len(starts) else len(text.rstrip("\n"))
-        if rng.random() < 0.5:  # the cursor often sits after the indentation already typed
+        if rng.random() < P_INDENT_IN_PREFIX:  # the cursor usually sits after the indentation
             start += len(text[start:end]) - len(text[start:end].lstrip(" \t"))
         end = max(start, end)
         return text[:start], text[start:end], text[end:]

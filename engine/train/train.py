@@ -30,7 +30,8 @@ def parse_args(argv=None):
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
     ap.add_argument("--model-dir", type=Path, required=True, help="holds config.json and tokenizer.json")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--resume", type=Path, help="a checkpoint folder written by an earlier run")
+    ap.add_argument("--resume", type=Path, help="a checkpoint folder written by an earlier run, or an exported "
+                    "model folder (model.safetensors + training_state.json)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -48,13 +49,36 @@ def parse_args(argv=None):
     ap.add_argument("--save-every-s", type=float, default=120.0)
     ap.add_argument("--heldout-rows", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return ap.parse_args(argv)
+    ap.add_argument("--moe", choices=["auto", "dense", "sparse"], default="auto",
+                    help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; same function)")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile the training step (auto: on a GPU)")
+    args = ap.parse_args(argv)
+    on_gpu = args.device.startswith("cuda")
+    args.dense_moe = args.moe == "dense" or (args.moe == "auto" and on_gpu)
+    args.compile = args.compile == "on" or (args.compile == "auto" and on_gpu)
+    return args
+
+
+def train_files(corpus: Path) -> list[Path]:
+    """train.jsonl plus any other train-*.jsonl (a part built on the GPU machine itself)."""
+    files = sorted(corpus.glob("train*.jsonl"))
+    if not files:
+        raise SystemExit(f"no train*.jsonl in {corpus}")
+    return files
 
 
 def lr_at(step: int, frac: float, args) -> float:
     warm = min(1.0, (step + 1) / args.warmup_steps)
     decay = min(1.0, max(0.0, (1.0 - frac) / args.decay_frac))
     return args.lr * warm * (0.1 + 0.9 * decay)
+
+
+def lm_loss(model, rows):
+    """Next-token loss of [B, T + 1] rows and the router balance loss; compiled as one graph so the
+    [B*T, vocab] logits never reach memory in fp32."""
+    logits, aux = model(rows[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()), aux
 
 
 def make_optimizer(model, args):
@@ -87,26 +111,30 @@ def main(argv=None) -> None:
     tok_path = args.model_dir / "tokenizer.json"
     args.out.mkdir(parents=True, exist_ok=True)
 
-    model = Qwen3MoeLM(config)
+    model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
     if args.resume:
         model.load_state_dict({k: v.float() for k, v in checkpoint.load_weights(args.resume).items()})
         state = checkpoint.load_state(args.resume)
-        prev_log = args.resume.parent / "log.jsonl"
-        if prev_log.exists():
+        prev_log = checkpoint.previous_log(args.resume)
+        if prev_log:
             (args.out / "log.jsonl").write_text(prev_log.read_text())
         print(f"resumed at step {state['step']}, {state['tokens_seen']:,} tokens", flush=True)
     else:
         model.init_weights(args.seed)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params:,}; device {device}", flush=True)
+    print(f"params {n_params:,}; device {device}; moe {'dense' if args.dense_moe else 'sparse'}; "
+          f"compile {args.compile}", flush=True)
+    # The compiled step shares the module's parameters; checkpoints and evals use the plain module.
+    step_loss = torch.compile(lm_loss) if args.compile else lm_loss
 
     t_load = time.time()
-    chunks = [c for d in read_docs(args.corpus / "train.jsonl") for c in chunk_doc(d)]
+    files = train_files(args.corpus)
+    chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d)]
     held_rows, held_bytes = heldout_rows(read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path),
                                          args.seq_len, args.heldout_rows)
-    print(f"{len(chunks):,} train chunks, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
+    print(f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
     # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
     stream = PackedStream(chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"])
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
@@ -118,7 +146,8 @@ def main(argv=None) -> None:
     autocast = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
     accum = args.batch_rows // args.micro_rows
     log_f = open(args.out / "log.jsonl", "a")
-    run = {"start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len}
+    run = {"start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len,
+           "train_files": [f.name for f in files], "peak_lr": args.lr}
 
     def log(record: dict) -> None:
         log_f.write(json.dumps(record) + "\n")
@@ -142,8 +171,7 @@ def main(argv=None) -> None:
         for _ in range(accum):
             rows = next(batches).to(device, non_blocking=True)
             with autocast:
-                logits, aux = model(rows[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+                loss, aux = step_loss(model, rows)
             ((loss + args.aux_coef * aux) / accum).backward()
             loss_sum += loss.detach()
             aux_sum += aux.detach()

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One training run on a lent GPU machine whose calls are at most ~10 minutes each and whose
+# transfers are size-limited: the run goes on in the background between calls.
+#
+#   start PACK BUDGET_S [train args...]  unpack the carried corpus part, build the rest from the
+#                                       machine's own stdlib and packages, launch training
+#                                       (resuming from the shipped model) and watch it
+#   watch SECONDS                        print progress for that long, copy the latest checkpoint out
+#   finish                               wait for the run's end, copy checkpoint, log, curve out
+#
+# Everything that must come back is copied under $OUT (checkpoint shards are <= 12 MB each).
+set -uo pipefail
+RUN=${RUN_DIR:-/tmp/wd-train}
+MODEL=engine/models/wd-coder-tiny
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+copy_out() {  # the newest checkpoint, and one archive of the logs and the corpus build's records
+    [ -d "$RUN/out/ckpt" ] && mkdir -p "$OUT/ckpt" && cp "$RUN/out/ckpt/"* "$OUT/ckpt/"
+    cp "$RUN/out/log.jsonl" "$RUN/out/loss.png" "$RUN/" 2>/dev/null
+    (cd "$RUN" && tar -czf "$OUT/records.tgz" $(ls train.log log.jsonl loss.png manifest-gpu.json \
+        heldout-gpu.txt 2>/dev/null))
+    true
+}
+
+running() { [ -f "$RUN/pid" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
+
+launch() {  # $1: extra trainer args
+    setsid nohup $py -m engine.train.train --model-dir $MODEL --corpus .corpus --out "$RUN/out" \
+        --resume $MODEL $1 >> "$RUN/train.log" 2>&1 < /dev/null &
+    echo $! > "$RUN/pid"
+}
+
+watch() {  # $1: seconds
+    local end=$((SECONDS + $1))
+    while [ $SECONDS -lt $end ] && running; do
+        sleep 20
+        grep -E "^(step|eval)" "$RUN/train.log" | tail -1
+    done
+    copy_out
+}
+
+case "${1:-}" in
+start)
+    pack=$2 budget=$3; shift 3
+    mkdir -p "$RUN" .corpus
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    tar -xJf "$pack" -C .corpus || exit 1
+    t0=$SECONDS
+    $py -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
+        --train-name train-gpu.jsonl --manifest-out "$RUN/manifest-gpu.json" \
+        --heldout-list-out "$RUN/heldout-gpu.txt" || exit 1
+    echo "corpus built here in $((SECONDS - t0)) s"; ls -la .corpus
+    launch "--budget-s $budget $*"
+    # A failure of the compiled step shows within minutes: fall back to the plain eager path.
+    for _ in $(seq 40); do
+        sleep 10
+        grep -q "^step=" "$RUN/train.log" && break
+        running || break
+    done
+    if ! grep -q "^step=" "$RUN/train.log"; then
+        tail -30 "$RUN/train.log"; echo "compiled step failed: falling back to eager"
+        pkill -f engine.train.train; sleep 2
+        launch "--budget-s $((budget - 120)) --compile off $*"
+    fi
+    watch $((${WATCH_S:-480}))
+    ;;
+watch) watch "$2" ;;
+finish)
+    while running; do sleep 10; done
+    tail -5 "$RUN/train.log"
+    copy_out
+    ;;
+*) sed -n 2,13p "$0"; exit 2 ;;
+esac
