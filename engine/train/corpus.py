@@ -11,6 +11,22 @@ hash of the content, so the split never depends on file order or on which source
 writes `.corpus/train.jsonl` and `.corpus/heldout.jsonl` (one {"id","lang","text"} per line), and
 the committed records `engine/train/data/manifest.json` (every source with its licence) and
 `engine/train/data/heldout.txt` (the held-out files, so the eval is reproducible).
+
+A train file that is a near-copy of a held-out file (another version of it, or a stub sharing its
+licence header) is dropped too: more than half of its significant lines occur in held-out files.
+
+The held-out list depends on which packages are installed. To rebuild the committed corpus in an
+environment that has gained packages since, read only the packages its manifest names:
+
+    python -m engine.train.corpus --out .corpus --sources-from engine/train/data/manifest.json
+
+A machine that has its own stdlib and packages builds its part of the corpus itself, filtered
+against the official held-out files and leaving those (and the committed records) untouched:
+
+    python -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
+        --train-name train-gpu.jsonl --manifest-out PATH --heldout-list-out PATH
+
+(its own held-out files go to `heldout-gpu.jsonl`, named after the train file).
 """
 from __future__ import annotations
 
@@ -22,6 +38,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 from .licenses import classify, expression_ok
 
@@ -35,6 +52,9 @@ LANG_BY_SUFFIX = {".py": "python", ".js": "javascript", ".mjs": "javascript", ".
                   ".ts": "typescript", ".mts": "typescript", ".cts": "typescript"}
 # Packages that are this project itself or only vendored copies of other sources.
 SKIP_PACKAGES = {"wd-lsp", "wd_lsp"}
+# Near-copy test: lines this long are specific enough to identify a file ("import os" is not).
+SIGNIFICANT_LINE = 25
+NEAR_COPY_SHARE = 0.5
 
 
 @dataclass
@@ -53,18 +73,23 @@ class Source:
 def stdlib_source() -> Source:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "__pycache__" not in p.parts)
+                   if not {"site-packages", "dist-packages", "__pycache__"} & set(p.parts))
     import platform
     return Source("python-stdlib", "cpython-stdlib", platform.python_version(), "PSF-2.0", root, files)
 
 
 def pypi_sources(rejected: list) -> list[Source]:
     out = []
-    site = Path(sysconfig.get_paths()["purelib"])
-    for dist in sorted(md.distributions(), key=lambda d: d.metadata["Name"].lower()):
+    # Only this interpreter's own site dirs (purelib and platlib differ on some systems).
+    sites = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    dists = [d for d in md.distributions() if d.metadata.get("Name")]  # skip broken dist-info
+    names: set[str] = set()
+    for dist in sorted(dists, key=lambda d: d.metadata["Name"].lower()):
         name = dist.metadata["Name"]
-        if name in SKIP_PACKAGES or Path(dist.locate_file("")).resolve() != site.resolve():
-            continue
+        site = Path(dist.locate_file("")).resolve()
+        if name in SKIP_PACKAGES or name in names or site not in sites:
+            continue  # not ours, already listed (a site dir twice on the path), or another interpreter's
+        names.add(name)
         ok, licence = classify(dist.metadata)
         if not ok:
             rejected.append({"kind": "pypi", "name": name, "licence": licence})
@@ -112,58 +137,129 @@ def keep_text(raw: bytes) -> str | None:
     return text.replace("\r\n", "\n")
 
 
+def content_key(text: str) -> str:
+    """Dedupe and split key: trailing-whitespace-insensitive, so trivially re-saved copies match."""
+    return hashlib.sha256("\n".join(l.rstrip() for l in text.split("\n")).encode()).hexdigest()
+
+
 def is_heldout(digest: str) -> bool:
     h = hashlib.sha256((SPLIT_SEED + digest).encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64 < HELDOUT_FRACTION
 
 
-def build(out_dir: Path, npm_root: Path) -> dict:
+def _line_hashes(text: str) -> set[bytes]:
+    """Short hashes of the file's distinct significant lines (stripped, so indentation-blind)."""
+    return {hashlib.blake2b(s.encode(), digest_size=8).digest()
+            for s in (line.strip() for line in text.split("\n")) if len(s) >= SIGNIFICANT_LINE}
+
+
+def near_heldout_filter(heldout_texts: Iterable[str], share: float = NEAR_COPY_SHARE) -> Callable[[str], bool]:
+    """A predicate that is True for a near-copy of a held-out file: more than `share` of its
+    distinct significant lines occur in the held-out files. A file with none is kept (False)."""
+    held: set[bytes] = set()
+    for text in heldout_texts:
+        held |= _line_hashes(text)
+
+    def is_near_copy(text: str) -> bool:
+        lines = _line_hashes(text)
+        return bool(lines) and len(lines & held) > share * len(lines)
+    return is_near_copy
+
+
+def read_heldout_texts(path: Path) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def heldout_name_for(train_name: str) -> str:
+    """The held-out file is named after the train file: train.jsonl -> heldout.jsonl,
+    train-gpu.jsonl -> heldout-gpu.jsonl."""
+    return "heldout" + train_name[len("train"):] if train_name.startswith("train") else "heldout-" + train_name
+
+
+def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, npm: bool = True,
+          train_name: str = "train.jsonl", manifest_out: Path | None = None,
+          heldout_list_out: Path | None = None, sources_from: Path | None = None) -> dict:
+    """Build the corpus into out_dir. With `heldout_from` (the official held-out jsonl) this is a
+    partial build elsewhere: it is filtered against those texts as well, and neither they nor
+    the committed records are overwritten (records go only to the paths given). With
+    `sources_from` (a manifest) only the packages it names are read."""
+    heldout_path = out_dir / heldout_name_for(train_name)
+    if heldout_from is not None:
+        # Never write an official held-out file in a partial build.
+        if heldout_path.name == "heldout.jsonl" or heldout_path.resolve() == heldout_from.resolve():
+            raise ValueError(f"with heldout_from, name the train file otherwise than {train_name} "
+                             f"(its held-out file {heldout_path} would be an official one)")
+    else:
+        manifest_out = manifest_out or DATA_DIR / "manifest.json"
+        heldout_list_out = heldout_list_out or DATA_DIR / "heldout.txt"
     rejected: list = []
-    sources = [stdlib_source()] + pypi_sources(rejected) + npm_sources(npm_root, rejected)
+    sources = [stdlib_source()] + pypi_sources(rejected) + (npm_sources(npm_root, rejected) if npm else [])
+    if sources_from is not None:
+        # Packages installed since that manifest was made would add held-out files; leave them out.
+        old = json.loads(sources_from.read_text())
+        named = {(r["kind"], r["name"]) for r in old["sources"] + old["rejected_for_licence"]}
+        sources = [s for s in sources if s.kind == "python-stdlib" or (s.kind, s.name) in named]
+        rejected = [r for r in rejected if (r["kind"], r["name"]) in named]
     out_dir.mkdir(parents=True, exist_ok=True)
-    seen: set[str] = set()
-    manifest_sources, heldout_lines = [], []
     totals = {"train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0,
-              "duplicates": 0, "filtered": 0}
-    with open(out_dir / "train.jsonl", "w") as train_f, open(out_dir / "heldout.jsonl", "w") as held_f:
-        for src in sources:
-            kept = kept_bytes = 0
-            for rel in src.files:
-                path = src.root / rel
-                try:
-                    text = keep_text(path.read_bytes())
-                except OSError:
-                    text = None
-                if text is None:
-                    totals["filtered"] += 1
-                    continue
-                # Trailing-whitespace-insensitive key, so trivially re-saved copies dedupe too.
-                key = hashlib.sha256("\n".join(l.rstrip() for l in text.split("\n")).encode()).hexdigest()
-                if key in seen:
-                    totals["duplicates"] += 1
-                    continue
-                seen.add(key)
-                lang = LANG_BY_SUFFIX[Path(rel).suffix]
-                doc = {"id": src.doc_id(rel), "lang": lang, "text": text}
-                split = "heldout" if is_heldout(key) else "train"
-                (held_f if split == "heldout" else train_f).write(json.dumps(doc) + "\n")
-                totals[f"{split}_files"] += 1
-                totals[f"{split}_bytes"] += len(text.encode())
-                if split == "heldout":
-                    heldout_lines.append(f"{hashlib.sha256(text.encode()).hexdigest()} {lang} {doc['id']}")
-                kept += 1
-                kept_bytes += len(text.encode())
-            if kept:
-                manifest_sources.append({"kind": src.kind, "name": src.name, "version": src.version,
-                                         "licence": src.licence, "files": kept, "bytes": kept_bytes})
+              "duplicates": 0, "filtered": 0, "near_heldout": 0}
+
+    # Pass 1: read, filter, dedupe and split every file. The split is decided here, by content
+    # alone, so the near-copy filter below cannot change which files are held out.
+    seen: set[str] = set()
+    docs: list[tuple[int, dict, str]] = []  # (source index, doc, split)
+    for i, src in enumerate(sources):
+        for rel in src.files:
+            try:
+                text = keep_text((src.root / rel).read_bytes())
+            except OSError:
+                text = None
+            if text is None:
+                totals["filtered"] += 1
+                continue
+            key = content_key(text)
+            if key in seen:
+                totals["duplicates"] += 1
+                continue
+            seen.add(key)
+            doc = {"id": src.doc_id(rel), "lang": LANG_BY_SUFFIX[Path(rel).suffix], "text": text}
+            docs.append((i, doc, "heldout" if is_heldout(key) else "train"))
+
+    # Pass 2: drop train files that are near-copies of any held-out file, then write.
+    held_texts = [doc["text"] for _, doc, split in docs if split == "heldout"]
+    if heldout_from is not None:
+        held_texts += read_heldout_texts(heldout_from)
+    near_copy = near_heldout_filter(held_texts)
+    per_source = [[0, 0] for _ in sources]  # [files, bytes] kept
+    heldout_lines = []
+    with open(out_dir / train_name, "w") as train_f, open(heldout_path, "w") as held_f:
+        for i, doc, split in docs:
+            if split == "train" and near_copy(doc["text"]):
+                totals["near_heldout"] += 1
+                continue
+            (held_f if split == "heldout" else train_f).write(json.dumps(doc) + "\n")
+            size = len(doc["text"].encode())
+            totals[f"{split}_files"] += 1
+            totals[f"{split}_bytes"] += size
+            if split == "heldout":
+                heldout_lines.append(f"{hashlib.sha256(doc['text'].encode()).hexdigest()} {doc['lang']} {doc['id']}")
+            per_source[i][0] += 1
+            per_source[i][1] += size
+    manifest_sources = [{"kind": src.kind, "name": src.name, "version": src.version, "licence": src.licence,
+                         "files": files, "bytes": size}
+                        for src, (files, size) in zip(sources, per_source) if files]
     manifest = {"split_seed": SPLIT_SEED, "heldout_fraction": HELDOUT_FRACTION,
                 "filters": {"min_bytes": MIN_BYTES, "max_bytes": MAX_BYTES, "max_line": MAX_LINE,
-                            "max_mean_line": MAX_MEAN_LINE, "generated_marker": GENERATED.pattern},
+                            "max_mean_line": MAX_MEAN_LINE, "generated_marker": GENERATED.pattern,
+                            "near_heldout": {"significant_line": SIGNIFICANT_LINE, "share": NEAR_COPY_SHARE}},
                 "totals": totals, "sources": manifest_sources,
                 "rejected_for_licence": sorted(rejected, key=lambda r: r["name"].lower())}
-    DATA_DIR.mkdir(exist_ok=True)
-    (DATA_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    (DATA_DIR / "heldout.txt").write_text("\n".join(sorted(heldout_lines)) + "\n")
+    for path, content in ((manifest_out, json.dumps(manifest, indent=1) + "\n"),
+                          (heldout_list_out, "\n".join(sorted(heldout_lines)) + "\n")):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
     return manifest
 
 
@@ -171,8 +267,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(".corpus"))
     ap.add_argument("--npm-root", type=Path, default=Path(".corpus/npm"))
+    ap.add_argument("--no-npm", action="store_true", help="leave out npm packages")
+    ap.add_argument("--heldout-from", type=Path,
+                    help="official held-out jsonl: filter near-copies of it, and write no official records")
+    ap.add_argument("--train-name", default="train.jsonl",
+                    help="train file name in --out (the held-out file is named after it)")
+    ap.add_argument("--manifest-out", type=Path, help="default: engine/train/data/manifest.json, "
+                    "none with --heldout-from")
+    ap.add_argument("--heldout-list-out", type=Path, help="default: engine/train/data/heldout.txt, "
+                    "none with --heldout-from")
+    ap.add_argument("--sources-from", type=Path, help="read only the packages this manifest names "
+                    "(e.g. the committed one, so packages installed since leave the held-out list as it is)")
     args = ap.parse_args(argv)
-    manifest = build(args.out, args.npm_root)
+    manifest = build(args.out, args.npm_root, heldout_from=args.heldout_from, npm=not args.no_npm,
+                     train_name=args.train_name, manifest_out=args.manifest_out,
+                     heldout_list_out=args.heldout_list_out, sources_from=args.sources_from)
     print(json.dumps(manifest["totals"]))
     print("rejected:", ", ".join(r["name"] for r in manifest["rejected_for_licence"]))
 

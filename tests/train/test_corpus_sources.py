@@ -1,0 +1,129 @@
+"""The corpus builder's near-copy filter and partial (GPU machine) build, and the packer's
+exclusion of what the GPU machine builds itself. Synthetic sources in tmp dirs, no network."""
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from engine.train import corpus, pack
+from engine.train.corpus import Source, content_key, is_heldout, near_heldout_filter
+
+
+def _code(tag: str, n: int = 30) -> str:
+    return "".join(f"    result_{tag}_{i} = compute_{tag}(argument_{i}, other_{i})\n" for i in range(n))
+
+
+def test_near_copy_is_dropped_unrelated_and_short_line_files_kept():
+    held = "def f():\n" + _code("held")
+    is_near = near_heldout_filter([held])
+    lines = held.split("\n")
+    edited = "\n".join(l + "  # changed" if i % 5 == 0 else l for i, l in enumerate(lines))
+    assert is_near(held)
+    assert is_near(edited)                                     # a few lines edited: still a copy
+    assert not is_near("def g():\n" + _code("other"))          # unrelated
+    assert not is_near("x = 1\n" * 50)                          # no significant lines: kept
+    half = "\n".join(lines[:11] + [l.replace("held", "new") for l in lines[11:21]])
+    assert not is_near(half)                                    # exactly half shared: kept
+
+
+def test_pack_exclusion_names_are_pep503_normalized():
+    listed = {pack.normalize(n) for n in ("pyyaml", "typing-extensions", "Jinja2")}
+    assert pack.built_there("python-stdlib:os.py", listed)
+    assert pack.built_there("pypi:PyYAML:yaml/__init__.py", listed)
+    assert pack.built_there("pypi:typing_extensions:typing_extensions.py", listed)
+    assert pack.built_there("pypi:jinja2:jinja2/ext.py", listed)
+    assert not pack.built_there("pypi:pydantic:pydantic/main.py", listed)
+    assert not pack.built_there("npm:lodash:map.js", listed)
+    assert pack.normalize("Foo.Bar__baz") == "foo-bar-baz"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_pack_leaves_out_what_the_gpu_machine_builds(tmp_path):
+    ids = ["python-stdlib:os.py", "pypi:PyYAML:yaml/a.py", "pypi:typing_extensions:t.py",
+           "pypi:pydantic:p.py", "npm:lodash:map.js"]
+    _write(tmp_path / "c/train.jsonl", "".join(json.dumps({"id": i, "lang": "python", "text": "x"}) + "\n"
+                                               for i in ids))
+    _write(tmp_path / "c/heldout.jsonl", json.dumps({"id": "npm:a:b.js", "lang": "javascript", "text": "y"}) + "\n")
+    listed = _write(tmp_path / "pk.txt", "# image packages\npyyaml\ntyping-extensions\n")
+    pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar.xz"),
+               "--exclude-gpu-machine", "--package-list", str(listed)])
+    with tarfile.open(tmp_path / "p.tar.xz") as tar:
+        train = [json.loads(l)["id"] for l in tar.extractfile("train.jsonl").read().decode().splitlines()]
+        held = tar.extractfile("heldout.jsonl").read()
+    assert train == ["pypi:pydantic:p.py", "npm:lodash:map.js"]
+    assert held == (tmp_path / "c/heldout.jsonl").read_bytes()
+
+
+def test_the_listed_gpu_packages_parse():
+    names = pack.read_package_list()
+    assert {"torch", "numpy", "pyyaml", "typing-extensions"} <= names and len(names) > 150
+    assert all(n == pack.normalize(n) for n in names)
+
+
+def _heldout_text() -> str:
+    """A file whose content hash falls in the held-out split."""
+    for i in range(10_000):
+        text = f"def held_{i}():\n" + _code(f"h{i}")
+        if is_heldout(content_key(text)):
+            return text
+    raise AssertionError("no held-out text found")
+
+
+def test_partial_build_filters_against_official_heldout_and_leaves_it_alone(tmp_path, monkeypatch):
+    official_text = "def official():\n" + _code("official")
+    near_copy = official_text.replace("argument_3,", "argument_three,")
+    own_heldout = _heldout_text()
+    root = tmp_path / "site"
+    files = {"pkg/near.py": near_copy, "pkg/plain.py": "def plain():\n" + _code("plain"),
+             "pkg/short.py": "x = 1\n" * 60, "pkg/held.py": own_heldout}
+    for rel, text in files.items():
+        _write(root / rel, text)
+    monkeypatch.setattr(corpus, "stdlib_source", lambda: Source("python-stdlib", "cpython-stdlib", "3", "PSF-2.0", root, []))
+    monkeypatch.setattr(corpus, "pypi_sources", lambda rejected: [Source("pypi", "pkg", "1", "MIT", root, sorted(files))])
+    data_dir = tmp_path / "data"
+    monkeypatch.setattr(corpus, "DATA_DIR", data_dir)
+    records = [_write(data_dir / "manifest.json", "{}\n"), _write(data_dir / "heldout.txt", "official\n")]
+    out = tmp_path / "corpus"
+    official = _write(out / "heldout.jsonl", json.dumps({"id": "pypi:x:o.py", "lang": "python",
+                                                         "text": official_text}) + "\n")
+    before = [p.read_bytes() for p in records + [official]]
+
+    corpus.main(["--out", str(out), "--heldout-from", str(official), "--no-npm",
+                 "--train-name", "train-gpu.jsonl", "--manifest-out", str(tmp_path / "m.json"),
+                 "--heldout-list-out", str(tmp_path / "h.txt")])
+
+    assert [p.read_bytes() for p in records + [official]] == before
+    read = lambda name: [json.loads(l)["id"] for l in (out / name).read_text().splitlines()]
+    assert read("train-gpu.jsonl") == ["pypi:pkg:pkg/plain.py", "pypi:pkg:pkg/short.py"]
+    assert read("heldout-gpu.jsonl") == ["pypi:pkg:pkg/held.py"]
+    assert json.loads((tmp_path / "m.json").read_text())["totals"]["near_heldout"] == 1
+    assert (tmp_path / "h.txt").read_text().split()[-1] == "pypi:pkg:pkg/held.py"
+    # The default train name would make its held-out file an official heldout.jsonl: refused.
+    with pytest.raises(ValueError):
+        corpus.build(out, tmp_path / "npm", heldout_from=official, npm=False)
+    assert official.read_bytes() == before[-1]
+
+
+def test_own_heldout_files_filter_train_copies_and_sources_from_pins_packages(tmp_path, monkeypatch):
+    own_heldout = _heldout_text()
+    root = tmp_path / "site"
+    _write(root / "a/held.py", own_heldout)
+    _write(root / "a/copy.py", own_heldout.replace("argument_1,", "argument_one,"))
+    _write(root / "b/new.py", "def new():\n" + _code("new"))
+    monkeypatch.setattr(corpus, "stdlib_source", lambda: Source("python-stdlib", "cpython-stdlib", "3", "PSF-2.0", root, []))
+    monkeypatch.setattr(corpus, "pypi_sources", lambda rejected: [
+        Source("pypi", "a", "1", "MIT", root, ["a/copy.py", "a/held.py"]),
+        Source("pypi", "b", "1", "MIT", root, ["b/new.py"])])
+    pinned = _write(tmp_path / "old.json", json.dumps({"sources": [{"kind": "pypi", "name": "a"}],
+                                                       "rejected_for_licence": []}))
+    manifest = corpus.build(tmp_path / "out", tmp_path / "npm", manifest_out=tmp_path / "m.json",
+                            heldout_list_out=tmp_path / "h.txt", sources_from=pinned)
+    assert (tmp_path / "out/train.jsonl").read_text() == ""       # the copy is dropped, b not read
+    assert [s["name"] for s in manifest["sources"]] == ["a"]
+    assert manifest["totals"]["near_heldout"] == 1 and manifest["totals"]["heldout_files"] == 1
