@@ -43,6 +43,7 @@ watch() {  # $1: seconds
 case "${1:-}" in
 start)
     pack=$2 budget=$3; shift 3
+    SECONDS=0
     mkdir -p "$RUN" .corpus
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     tar -xJf "$pack" -C .corpus || exit 1
@@ -63,7 +64,7 @@ start)
         pkill -f engine.train.train; sleep 2
         launch "--budget-s $((budget - 120)) --compile off $*"
     fi
-    watch $((${WATCH_S:-480}))
+    watch $((${CALL_S:-560} - SECONDS))  # return before the call's limit; the run goes on
     ;;
 watch) watch "$2" ;;
 finish)

@@ -12,6 +12,7 @@ PERMISSIVE_IDS = {
     "mit", "mit-0", "isc", "0bsd", "bsd", "bsd-2-clause", "bsd-3-clause", "apache-2.0", "apache",
     "apache 2.0", "apache software license", "apache 2.0 license", "psf-2.0", "python-2.0",
     "cnri-python", "bsl-1.0", "isc license", "mit license", "bsd license", "bsd-3-clause license",
+    "zlib", "cc0-1.0",  # numpy 2.5 declares parts under these
 }
 PERMISSIVE_CLASSIFIERS = ("MIT License", "BSD License", "Apache Software License",
                           "Python Software Foundation License", "ISC License")
