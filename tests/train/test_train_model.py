@@ -22,6 +22,7 @@ def _pair(seed=0):
     return sparse, dense
 
 
+@torch.enable_grad()  # another test's CLI may have switched grad mode off for the process
 def test_dense_and_sparse_moe_give_the_same_logits_and_gradients():
     torch.manual_seed(0)
     sparse, dense = _pair()
