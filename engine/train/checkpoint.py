@@ -7,6 +7,7 @@ with a short warm-up, which costs a few dozen steps, not quality.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,7 +17,11 @@ SHARD_BYTES = 12_000_000
 
 
 def save(model: torch.nn.Module, state: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """Written whole into a side folder, then renamed over `out`, so a copy taken while a run
+    is saving never pairs shards or state of two different steps."""
+    final, out = Path(out), Path(str(out) + ".tmp")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     shards, cur, size = [], {}, 0
     for name, t in model.state_dict().items():
         t = t.detach().to("cpu", torch.bfloat16).contiguous()
@@ -26,13 +31,11 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
         cur[name] = t
         size += t.numel() * 2
     shards.append(cur)
-    for old in out.glob("model-*.safetensors"):
-        old.unlink()
     for i, shard in enumerate(shards):
-        tmp = out / f"model-{i:02d}-of-{len(shards):02d}.safetensors.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        tmp.rename(out / tmp.name[:-4])
+        save_file(shard, str(out / f"model-{i:02d}-of-{len(shards):02d}.safetensors"), metadata={"format": "pt"})
     (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
 
 
 # A run resumes from a checkpoint folder or from an exported model folder (the shipped model).
@@ -54,7 +57,7 @@ def load_state(ckpt: Path) -> dict:
 
 def previous_log(ckpt: Path) -> Path | None:
     """The training log that goes with a checkpoint (a run's OUT/log.jsonl, or an exported one)."""
-    for path in (Path(ckpt).parent / "log.jsonl", Path(ckpt) / EXPORTED_LOG):
+    for path in (Path(ckpt) / EXPORTED_LOG, Path(ckpt).parent / "log.jsonl"):
         if path.exists():
             return path
     return None

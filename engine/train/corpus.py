@@ -31,6 +31,7 @@ against the official held-out files and leaving those (and the committed records
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import importlib.metadata as md
 import json
@@ -55,6 +56,7 @@ SKIP_PACKAGES = {"wd-lsp", "wd_lsp"}
 # Near-copy test: lines this long are specific enough to identify a file ("import os" is not).
 SIGNIFICANT_LINE = 25
 NEAR_COPY_SHARE = 0.5
+MIN_OWN_LINES = 8  # a held-out file with fewer lines of its own is too short to be found inside another
 
 
 @dataclass
@@ -154,15 +156,32 @@ def _line_hashes(text: str) -> set[bytes]:
 
 
 def near_heldout_filter(heldout_texts: Iterable[str], share: float = NEAR_COPY_SHARE) -> Callable[[str], bool]:
-    """A predicate that is True for a near-copy of a held-out file: more than `share` of its
-    distinct significant lines occur in the held-out files. A file with none is kept (False)."""
-    held: set[bytes] = set()
-    for text in heldout_texts:
-        held |= _line_hashes(text)
+    """A predicate that is True for a train file that overlaps a held-out file either way:
+    - more than `share` of the file's distinct significant lines occur in held-out files (a copy
+      or another version of a held-out file, a licence-header stub), or
+    - it contains more than `share` of one held-out file's significant lines (a bigger file that
+      holds a held-out one: a bundle, or a "modular" source the held-out file was generated from).
+    A file with no significant lines is kept (False)."""
+    held: dict[bytes, list[int]] = {}  # line hash -> the held-out files that have it
+    texts = list(heldout_texts)
+    for i, text in enumerate(texts):
+        for h in _line_hashes(text):
+            held.setdefault(h, []).append(i)
+    # For the second test only a held-out file's own lines count: lines shared by several
+    # held-out files (licence headers, common imports) are boilerplate, not evidence that a
+    # train file holds that particular one.
+    own = {h: files[0] for h, files in held.items() if len(files) == 1}
+    own_sizes = collections.Counter(own.values())
 
     def is_near_copy(text: str) -> bool:
         lines = _line_hashes(text)
-        return bool(lines) and len(lines & held) > share * len(lines)
+        shared = [h for h in lines if h in held]
+        if not lines or not shared:
+            return False
+        if len(shared) > share * len(lines):
+            return True
+        per_file = collections.Counter(own[h] for h in shared if h in own)
+        return any(n > share * own_sizes[i] and own_sizes[i] >= MIN_OWN_LINES for i, n in per_file.items())
     return is_near_copy
 
 

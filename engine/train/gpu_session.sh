@@ -25,10 +25,15 @@ copy_out() {  # the newest checkpoint, and one archive of the logs and the corpu
 
 running() { [ -f "$RUN/pid" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
 
-launch() {  # $1: extra trainer args
+launch() {  # trainer args
     setsid nohup $py -m engine.train.train --model-dir $MODEL --corpus .corpus --out "$RUN/out" \
-        --resume $MODEL $1 >> "$RUN/train.log" 2>&1 < /dev/null &
+        --resume $MODEL "$@" >> "$RUN/train.log" 2>&1 < /dev/null &
     echo $! > "$RUN/pid"
+}
+
+stop() {  # the whole process group setsid made (the trainer and its data workers), and wait
+    kill -- -"$(cat "$RUN/pid")" 2>/dev/null
+    while running; do sleep 1; done
 }
 
 watch() {  # $1: seconds
@@ -44,6 +49,8 @@ case "${1:-}" in
 start)
     pack=$2 budget=$3; shift 3
     SECONDS=0
+    if running; then echo "a run is already going: watch or finish it"; exit 1; fi
+    rm -rf "$RUN/out" "$RUN/train.log"  # a warm machine keeps the last run's files
     mkdir -p "$RUN" .corpus
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     tar -xJf "$pack" -C .corpus || exit 1
@@ -52,7 +59,7 @@ start)
         --train-name train-gpu.jsonl --manifest-out "$RUN/manifest-gpu.json" \
         --heldout-list-out "$RUN/heldout-gpu.txt" || exit 1
     echo "corpus built here in $((SECONDS - t0)) s"; ls -la .corpus
-    launch "--budget-s $budget $*"
+    launch --budget-s "$budget" "$@"
     # A failure of the compiled step shows within minutes: fall back to the plain eager path.
     for _ in $(seq 40); do
         sleep 10
@@ -61,14 +68,15 @@ start)
     done
     if ! grep -q "^step=" "$RUN/train.log"; then
         tail -30 "$RUN/train.log"; echo "compiled step failed: falling back to eager"
-        pkill -f engine.train.train; sleep 2
-        launch "--budget-s $((budget - 120)) --compile off $*"
+        stop
+        launch --budget-s "$((budget - SECONDS))" --compile off "$@"
     fi
     watch $((${CALL_S:-560} - SECONDS))  # return before the call's limit; the run goes on
     ;;
 watch) watch "$2" ;;
-finish)
-    while running; do sleep 10; done
+finish)  # within the call's limit; a run still going then is left to a later "finish"
+    end=$((SECONDS + ${CALL_S:-560}))
+    while running && [ $SECONDS -lt $end ]; do sleep 10; done
     tail -5 "$RUN/train.log"
     copy_out
     ;;

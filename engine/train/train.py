@@ -153,8 +153,9 @@ def main(argv=None) -> None:
         log_f.write(json.dumps(record) + "\n")
         log_f.flush()
 
-    def save() -> None:
-        checkpoint.save(model, {**state, "runs": state["runs"] + [run]}, args.out / "ckpt")
+    def save() -> None:  # mid-run: the time and steps so far, in case the run never ends
+        checkpoint.save(model, {**state, "train_seconds": state["train_seconds"] + time.time() - t0,
+                                "runs": state["runs"] + [{**run, "end_step": state["step"]}]}, args.out / "ckpt")
 
     t0 = last_eval = last_save = time.time()
     window_tokens, window_t = 0, time.time()

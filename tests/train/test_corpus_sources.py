@@ -127,3 +127,12 @@ def test_own_heldout_files_filter_train_copies_and_sources_from_pins_packages(tm
     assert (tmp_path / "out/train.jsonl").read_text() == ""       # the copy is dropped, b not read
     assert [s["name"] for s in manifest["sources"]] == ["a"]
     assert manifest["totals"]["near_heldout"] == 1 and manifest["totals"]["heldout_files"] == 1
+
+
+def test_a_bigger_file_holding_a_heldout_file_is_dropped_but_shared_boilerplate_is_not():
+    header = "".join(f"# Licensed under the project's licence, clause number {i} of the text\n" for i in range(6))
+    held_a, held_b = header + _code("alpha"), header + _code("beta")
+    is_near = near_heldout_filter([held_a, held_b])
+    bundle = _code("one") + held_a + _code("two") + _code("three")  # holds all of held_a, mostly other code
+    assert is_near(bundle)
+    assert not is_near(header + _code("gamma") + _code("delta"))    # only the shared header

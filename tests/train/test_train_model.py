@@ -73,3 +73,28 @@ def test_training_step_is_one_graph():
     rows = torch.randint(0, TINY["vocab_size"], (2, 9))
     explanation = torch._dynamo.explain(lm_loss)(dense, rows)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_checkpoints_round_trip_and_a_run_resumes_from_an_exported_folder(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.train import checkpoint
+
+    model, _ = _pair(2)
+    checkpoint.save(model, {"step": 7}, tmp_path / "run" / "ckpt")
+    checkpoint.save(model, {"step": 8}, tmp_path / "run" / "ckpt")  # replaces the first whole
+    assert not (tmp_path / "run" / "ckpt.tmp").exists()
+    back = checkpoint.load_weights(tmp_path / "run" / "ckpt")
+    assert back.keys() == model.state_dict().keys()
+    assert checkpoint.load_state(tmp_path / "run" / "ckpt")["step"] == 8
+
+    exported = tmp_path / "model"
+    exported.mkdir()
+    save_file({k: v.contiguous() for k, v in back.items()}, str(exported / "model.safetensors"))
+    (exported / "training_state.json").write_text(json.dumps({"step": 8}))
+    (exported / "training_log.jsonl").write_text('{"step": 8}\n')
+    torch.testing.assert_close(checkpoint.load_weights(exported), back)
+    assert checkpoint.load_state(exported)["step"] == 8
+    assert checkpoint.previous_log(exported) == exported / "training_log.jsonl"
