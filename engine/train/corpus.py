@@ -12,8 +12,9 @@ writes `.corpus/train.jsonl` and `.corpus/heldout.jsonl` (one {"id","lang","text
 the committed records `engine/train/data/manifest.json` (every source with its licence) and
 `engine/train/data/heldout.txt` (the held-out files, so the eval is reproducible).
 
-A train file that is a near-copy of a held-out file (another version of it, or a stub sharing its
-licence header) is dropped too: more than half of its significant lines occur in held-out files.
+A train file that overlaps a held-out file is dropped too: more than half of its significant
+lines occur in held-out files (another version of one, a stub sharing its licence header), or it
+holds more than half of one held-out file's own lines (a bundle, a source it was generated from).
 
 The held-out list depends on which packages are installed. To rebuild the committed corpus in an
 environment that has gained packages since, read only the packages its manifest names:
@@ -163,8 +164,7 @@ def near_heldout_filter(heldout_texts: Iterable[str], share: float = NEAR_COPY_S
       holds a held-out one: a bundle, or a "modular" source the held-out file was generated from).
     A file with no significant lines is kept (False)."""
     held: dict[bytes, list[int]] = {}  # line hash -> the held-out files that have it
-    texts = list(heldout_texts)
-    for i, text in enumerate(texts):
+    for i, text in enumerate(heldout_texts):
         for h in _line_hashes(text):
             held.setdefault(h, []).append(i)
     # For the second test only a held-out file's own lines count: lines shared by several
@@ -271,7 +271,8 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
     manifest = {"split_seed": SPLIT_SEED, "heldout_fraction": HELDOUT_FRACTION,
                 "filters": {"min_bytes": MIN_BYTES, "max_bytes": MAX_BYTES, "max_line": MAX_LINE,
                             "max_mean_line": MAX_MEAN_LINE, "generated_marker": GENERATED.pattern,
-                            "near_heldout": {"significant_line": SIGNIFICANT_LINE, "share": NEAR_COPY_SHARE}},
+                            "near_heldout": {"significant_line": SIGNIFICANT_LINE, "share": NEAR_COPY_SHARE,
+                                             "min_own_lines": MIN_OWN_LINES}},
                 "totals": totals, "sources": manifest_sources,
                 "rejected_for_licence": sorted(rejected, key=lambda r: r["name"].lower())}
     for path, content in ((manifest_out, json.dumps(manifest, indent=1) + "\n"),

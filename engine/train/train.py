@@ -153,8 +153,10 @@ def main(argv=None) -> None:
         log_f.write(json.dumps(record) + "\n")
         log_f.flush()
 
-    def save() -> None:  # mid-run: the time and steps so far, in case the run never ends
-        checkpoint.save(model, {**state, "train_seconds": state["train_seconds"] + time.time() - t0,
+    def save(until: float | None = None) -> None:
+        """This run is recorded as it stands, so a run cut off mid-way still has its time and steps."""
+        seconds = (until or time.time()) - t0
+        checkpoint.save(model, {**state, "train_seconds": state["train_seconds"] + seconds,
                                 "runs": state["runs"] + [{**run, "end_step": state["step"]}]}, args.out / "ckpt")
 
     t0 = last_eval = last_save = time.time()
@@ -201,16 +203,13 @@ def main(argv=None) -> None:
             save()
             last_save = time.time()
 
-    state["train_seconds"] += time.time() - t0
-    run["end_step"] = state["step"]
+    train_end = time.time()
     final = {"step": state["step"], "tokens_seen": state["tokens_seen"], "final": True,
              **heldout_eval(model, held_rows, held_bytes, device, autocast)}
     log(final)
     print("final", final, flush=True)
-    state["runs"].append(run)
     state["final_heldout"] = final
-    checkpoint.save(model, state, args.out / "ckpt")
-    state["runs"].pop()  # save() above already recorded it
+    save(until=train_end)
     log_f.close()
     try:
         from .plot import plot_loss
