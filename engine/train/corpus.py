@@ -28,6 +28,10 @@ against the official held-out files and leaving those (and the committed records
         --train-name train-gpu.jsonl --manifest-out PATH --heldout-list-out PATH
 
 (its own held-out files go to `heldout-gpu.jsonl`, named after the train file).
+
+Packages neither part has are fetched as wheels into a folder (`engine.train.fetch_wheels`) and
+built the same way from that folder alone (`--site`), leaving out the packages the other parts'
+manifests name (`--exclude-from`) and any named with `--skip`; see that module for the command.
 """
 from __future__ import annotations
 
@@ -81,11 +85,17 @@ def stdlib_source() -> Source:
     return Source("python-stdlib", "cpython-stdlib", platform.python_version(), "PSF-2.0", root, files)
 
 
-def pypi_sources(rejected: list) -> list[Source]:
+def pypi_sources(rejected: list, site_dir: Path | None = None) -> list[Source]:
+    """The installed packages of this interpreter, or those in `site_dir` (a `pip install
+    --target` folder, or wheels unpacked there)."""
     out = []
-    # Only this interpreter's own site dirs (purelib and platlib differ on some systems).
-    sites = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
-    dists = [d for d in md.distributions() if d.metadata.get("Name")]  # skip broken dist-info
+    if site_dir is None:
+        # Only this interpreter's own site dirs (purelib and platlib differ on some systems).
+        sites = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+        found = md.distributions()
+    else:
+        sites, found = {site_dir.resolve()}, md.distributions(path=[str(site_dir)])
+    dists = [d for d in found if d.metadata.get("Name")]  # skip broken dist-info
     names: set[str] = set()
     for dist in sorted(dists, key=lambda d: d.metadata["Name"].lower()):
         name = dist.metadata["Name"]
@@ -122,6 +132,11 @@ def npm_sources(npm_root: Path, rejected: list) -> list[Source]:
                        p.relative_to(root).parts and not p.name.endswith(".min.js"))
         out.append(Source("npm", name, str(meta.get("version", "")), licence, root, files))
     return out
+
+
+def normalize(name: str) -> str:
+    """PEP 503 project name: 'PyYAML' -> 'pyyaml', 'typing_extensions' -> 'typing-extensions'."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def keep_text(raw: bytes) -> str | None:
@@ -198,11 +213,15 @@ def heldout_name_for(train_name: str) -> str:
 
 def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, npm: bool = True,
           train_name: str = "train.jsonl", manifest_out: Path | None = None,
-          heldout_list_out: Path | None = None, sources_from: Path | None = None) -> dict:
+          heldout_list_out: Path | None = None, sources_from: Path | None = None,
+          site_dir: Path | None = None, exclude_from: Iterable[Path] = (),
+          skip: Iterable[str] = ()) -> dict:
     """Build the corpus into out_dir. With `heldout_from` (the official held-out jsonl) this is a
     partial build elsewhere: it is filtered against those texts as well, and neither they nor
     the committed records are overwritten (records go only to the paths given). With
-    `sources_from` (a manifest) only the packages it names are read."""
+    `sources_from` (a manifest) only the packages it names are read. With `site_dir` only the
+    packages installed there are read (no standard library, no npm); packages that a manifest in
+    `exclude_from` names (another part of the corpus), or that `skip` names, are left out."""
     heldout_path = out_dir / heldout_name_for(train_name)
     if heldout_from is not None:
         # Never write an official held-out file in a partial build.
@@ -213,7 +232,15 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
         manifest_out = manifest_out or DATA_DIR / "manifest.json"
         heldout_list_out = heldout_list_out or DATA_DIR / "heldout.txt"
     rejected: list = []
-    sources = [stdlib_source()] + pypi_sources(rejected) + (npm_sources(npm_root, rejected) if npm else [])
+    if site_dir is None:
+        sources = [stdlib_source()] + pypi_sources(rejected) + (npm_sources(npm_root, rejected) if npm else [])
+    else:
+        sources = pypi_sources(rejected, site_dir)
+    other_parts = {(r["kind"], normalize(r["name"])) for path in exclude_from
+                   for r in json.loads(Path(path).read_text())["sources"]}
+    skipped = {normalize(name) for name in skip}
+    sources = [s for s in sources if (s.kind, normalize(s.name)) not in other_parts
+               and normalize(s.name) not in skipped]
     if sources_from is not None:
         # Packages installed since that manifest was made would add held-out files; leave them out.
         old = json.loads(sources_from.read_text())
@@ -273,7 +300,7 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
                             "max_mean_line": MAX_MEAN_LINE, "generated_marker": GENERATED.pattern,
                             "near_heldout": {"significant_line": SIGNIFICANT_LINE, "share": NEAR_COPY_SHARE,
                                              "min_own_lines": MIN_OWN_LINES}},
-                "totals": totals, "sources": manifest_sources,
+                "skipped": sorted(skipped), "totals": totals, "sources": manifest_sources,
                 "rejected_for_licence": sorted(rejected, key=lambda r: r["name"].lower())}
     for path, content in ((manifest_out, json.dumps(manifest, indent=1) + "\n"),
                           (heldout_list_out, "\n".join(sorted(heldout_lines)) + "\n")):
@@ -298,10 +325,17 @@ def main(argv=None) -> None:
                     "none with --heldout-from")
     ap.add_argument("--sources-from", type=Path, help="read only the packages this manifest names "
                     "(e.g. the committed one, so packages installed since leave the held-out list as it is)")
+    ap.add_argument("--site", type=Path, help="read only the packages installed in this folder "
+                    "(pip install --target, or unpacked wheels): no standard library, no npm")
+    ap.add_argument("--exclude-from", type=Path, action="append", default=[],
+                    help="leave out the packages this manifest names (another part of the corpus)")
+    ap.add_argument("--skip", action="append", default=[], metavar="PACKAGE",
+                    help="leave out this package (generated code, data tables, one package too big)")
     args = ap.parse_args(argv)
     manifest = build(args.out, args.npm_root, heldout_from=args.heldout_from, npm=not args.no_npm,
                      train_name=args.train_name, manifest_out=args.manifest_out,
-                     heldout_list_out=args.heldout_list_out, sources_from=args.sources_from)
+                     heldout_list_out=args.heldout_list_out, sources_from=args.sources_from,
+                     site_dir=args.site, exclude_from=args.exclude_from, skip=args.skip)
     print(json.dumps(manifest["totals"]))
     print("rejected:", ", ".join(r["name"] for r in manifest["rejected_for_licence"]))
 

@@ -2,15 +2,19 @@
 # One training run on a lent GPU machine whose calls are at most ~10 minutes each and whose
 # transfers are size-limited: the run goes on in the background between calls.
 #
-#   start PACK BUDGET_S [train args...]  unpack the carried corpus part, build the rest from the
-#                                       machine's own stdlib and packages, launch training
-#                                       (resuming from the shipped model) and watch it
+#   stage PACK...                        unpack corpus parts carried by this call, for a later start
+#                                       (each call's transfer is size-limited, so a big corpus
+#                                       travels over several calls; the machine keeps them while warm)
+#   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
+#                                       the rest from the machine's own stdlib and packages, launch
+#                                       training (resuming from the shipped model) and watch it
 #   watch SECONDS                        print progress for that long, copy the latest checkpoint out
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
 #
 # Everything that must come back is copied under $OUT (checkpoint shards are <= 12 MB each).
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
+STAGE=${STAGE_DIR:-/tmp/wd-stage}  # outside the checkout, which each call replaces
 MODEL=engine/models/wd-coder-tiny
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -46,6 +50,11 @@ watch() {  # $1: seconds
 }
 
 case "${1:-}" in
+stage)
+    shift; mkdir -p "$STAGE"
+    for pack in "$@"; do tar -xJf "$pack" -C "$STAGE" || exit 1; done
+    ls -la "$STAGE"
+    ;;
 start)
     pack=$2 budget=$3; shift 3
     SECONDS=0
@@ -54,6 +63,7 @@ start)
     mkdir -p "$RUN" .corpus
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     tar -xJf "$pack" -C .corpus || exit 1
+    [ -d "$STAGE" ] && cp "$STAGE"/*.jsonl .corpus/ 2>/dev/null  # staged parts (and held-out file)
     t0=$SECONDS
     $py -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
         --train-name train-gpu.jsonl --manifest-out "$RUN/manifest-gpu.json" \
@@ -80,5 +90,5 @@ finish)  # within the call's limit; a run still going then is left to a later "f
     tail -5 "$RUN/train.log"
     copy_out
     ;;
-*) sed -n 2,13p "$0"; exit 2 ;;
+*) sed -n 2,16p "$0"; exit 2 ;;
 esac

@@ -13,6 +13,9 @@ PERMISSIVE_IDS = {
     "apache 2.0", "apache software license", "apache 2.0 license", "psf-2.0", "python-2.0",
     "cnri-python", "bsl-1.0", "isc license", "mit license", "bsd license", "bsd-3-clause license",
     "zlib", "cc0-1.0",  # numpy 2.5 declares parts under these
+    "apache license 2.0", "apache license, version 2.0", "apache license version 2.0",
+    "2-clause bsd", "3-clause bsd", "3-clause bsd license", "bsd 3-clause", "bsd 3-clause license",
+    "revised bsd license", "new bsd license", "modified bsd license", "simplified bsd license",
 }
 PERMISSIVE_CLASSIFIERS = ("MIT License", "BSD License", "Apache Software License",
                           "Python Software Foundation License", "ISC License")

@@ -13,6 +13,12 @@ and the GPU machine then builds its own part, filtered against those held-out fi
     python -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \\
         --train-name train-gpu.jsonl --manifest-out .corpus/manifest-gpu.json \\
         --heldout-list-out .corpus/heldout-gpu.txt
+
+A train file too big for one transfer is split over several archives, in order, each holding
+TRAIN-K.jsonl (a name the trainer reads), for `gpu_session.sh stage` to unpack call by call:
+
+    python -m engine.train.pack --train-name train-extra.jsonl --parts 3 --no-heldout \
+        --out .runs/extra/extra.tar.xz          # extra.part1.tar.xz ... extra.part3.tar.xz
 """
 from __future__ import annotations
 
@@ -21,9 +27,10 @@ import io
 import json
 import lzma
 import random
-import re
 import tarfile
 from pathlib import Path
+
+from .corpus import normalize
 
 GPU_MACHINE_PACKAGES = Path(__file__).parent / "data" / "gpu_machine_packages.txt"
 
@@ -31,11 +38,6 @@ GPU_MACHINE_PACKAGES = Path(__file__).parent / "data" / "gpu_machine_packages.tx
 def subset_lines(lines: list[str], fraction: float, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [line for line in lines if rng.random() < fraction]
-
-
-def normalize(name: str) -> str:
-    """PEP 503 project name: 'PyYAML' -> 'pyyaml', 'typing_extensions' -> 'typing-extensions'."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def read_package_list(path: Path = GPU_MACHINE_PACKAGES) -> set[str]:
@@ -49,24 +51,50 @@ def built_there(doc_id: str, packages: set[str]) -> bool:
     return kind == "python-stdlib" or (kind == "pypi" and normalize(rest.partition(":")[0]) in packages)
 
 
+def split_bytes(lines: list[str], parts: int) -> list[list[str]]:
+    """Cut the lines into `parts` runs of about equal size, in order (neighbouring files of one
+    package stay together, which compresses better)."""
+    total, out, acc = sum(map(len, lines)), [[] for _ in range(parts)], 0
+    for line in lines:
+        out[min(parts - 1, acc * parts // max(total, 1))].append(line)
+        acc += len(line)
+    return out
+
+
+def write_archive(out: Path, members: list[tuple[str, bytes]]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # The strongest preset: the pack is made once and its size is what the transfer limit bounds.
+    with tarfile.open(out, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
 def pack(corpus: Path, out: Path, fraction: float = 1.0, seed: int = 2,
-         exclude: set[str] | None = None) -> None:
-    train = (corpus / "train.jsonl").read_text().splitlines(keepends=True)
+         exclude: set[str] | None = None, train_name: str = "train.jsonl", parts: int = 1,
+         heldout: bool = True) -> list[Path]:
+    """Write the archive(s); with parts > 1, OUT.partK.tar.xz holding TRAIN-K.jsonl each
+    (every transfer has its own size limit, so a big corpus part goes over several)."""
+    train = (corpus / train_name).read_text().splitlines(keepends=True)
     full_files, full_bytes = len(train), sum(map(len, train))
     if exclude is not None:
         train = [line for line in train if not built_there(json.loads(line)["id"], exclude)]
     if fraction < 1.0:
         train = subset_lines(train, fraction, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # The strongest preset: the pack is made once and its size is what the transfer limit bounds.
-    with tarfile.open(out, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
-        for name, data in (("train.jsonl", "".join(train).encode()),
-                           ("heldout.jsonl", (corpus / "heldout.jsonl").read_bytes())):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
     print(f"{len(train)} of {full_files} train files ({sum(map(len, train)) / 1e6:.1f} of "
-          f"{full_bytes / 1e6:.1f} MB of jsonl) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
+          f"{full_bytes / 1e6:.1f} MB of jsonl)")
+    stem = train_name.removesuffix(".jsonl")
+    written = []
+    for k, lines in enumerate(split_bytes(train, parts), 1):
+        path = out if parts == 1 else out.with_name(out.name.replace(".tar.xz", "") + f".part{k}.tar.xz")
+        members = [(train_name if parts == 1 else f"{stem}-{k}.jsonl", "".join(lines).encode())]
+        if heldout and k == 1:
+            members.append(("heldout.jsonl", (corpus / "heldout.jsonl").read_bytes()))
+        write_archive(path, members)
+        print(f"  {len(lines)} files -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
+        written.append(path)
+    return written
 
 
 def main(argv=None) -> None:
@@ -79,9 +107,14 @@ def main(argv=None) -> None:
                     help="leave out the train files the GPU machine builds itself (stdlib, its packages)")
     ap.add_argument("--package-list", type=Path, default=GPU_MACHINE_PACKAGES,
                     help="that machine's packages, one name a line (with --exclude-gpu-machine)")
+    ap.add_argument("--train-name", default="train.jsonl", help="the train file in --corpus to pack")
+    ap.add_argument("--parts", type=int, default=1, help="split the train file over this many archives")
+    ap.add_argument("--no-heldout", action="store_true", help="leave the official held-out file out "
+                    "(another archive carries it)")
     args = ap.parse_args(argv)
     exclude = read_package_list(args.package_list) if args.exclude_gpu_machine else None
-    pack(args.corpus, args.out, args.fraction, args.seed, exclude)
+    pack(args.corpus, args.out, args.fraction, args.seed, exclude, args.train_name, args.parts,
+         not args.no_heldout)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ from engine.train.licenses import expression_ok
     ("Apache-2.0 AND BSD-2-Clause AND MIT", True), ("MPL-2.0 AND MIT", False),
     ("Apache-2.0 OR BSD-2-Clause", True), ("GPL-3.0 OR MIT", True), ("GPL-3.0", False),
     ("CC-BY-4.0", False), ("", False), ("PSF-2.0", True),
+    # free-text spellings that packages' License fields really use
+    ("Apache License, Version 2.0", True), ("Apache License 2.0", True), ("Revised BSD License", True),
+    ("3-Clause BSD License", True), ("LGPL-2.1", False), ("ZPL 2.1", False),
+    ("Mozilla Public License 2.0 (MPL 2.0)", False),
 ])
 def test_licence_expressions(expr, ok):
     assert expression_ok(expr) is ok

@@ -136,3 +136,79 @@ def test_a_bigger_file_holding_a_heldout_file_is_dropped_but_shared_boilerplate_
     bundle = _code("one") + held_a + _code("two") + _code("three")  # holds all of held_a, mostly other code
     assert is_near(bundle)
     assert not is_near(header + _code("gamma") + _code("delta"))    # only the shared header
+
+
+def _wheel(path: Path, name: str, licence: str, files: dict[str, str], extra: dict[str, bytes] = {}) -> Path:
+    """A minimal wheel: the files, METADATA and a RECORD that lists them (what importlib reads)."""
+    import zipfile
+    info = f"{name}-1.0.dist-info"
+    record = "".join(f"{rel},,\n" for rel in files) + f"{info}/METADATA,,\n{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for rel, text in files.items():
+            z.writestr(rel, text)
+        for rel, data in extra.items():
+            z.writestr(rel, data)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n"
+                                       f"License-Expression: {licence}\n")
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def test_unpack_keeps_python_and_metadata_only_and_stays_inside(tmp_path):
+    from engine.train.fetch_wheels import read_list, unpack
+    wheel = _wheel(tmp_path / "w.whl", "pkga", "MIT", {"pkga/mod.py": "x = 1\n"},
+                   {"pkga/_speed.so": b"\x7fELF", "pkga/data.json": b"{}", "../escape.py": b"y = 2\n"})
+    site = tmp_path / "site"
+    assert unpack(wheel, site) == 4  # mod.py, escape.py (kept inside), METADATA, RECORD
+    assert (site / "pkga/mod.py").read_text() == "x = 1\n"
+    assert not (site / "pkga/_speed.so").exists() and not (site / "pkga/data.json").exists()
+    assert not (tmp_path / "escape.py").exists() and (site / "escape.py").exists()
+    listed = _write(tmp_path / "list.txt", "# pinned\nDjango==5.2.19\n\n  flask==3.1.3\n")
+    assert read_list(listed) == ["Django==5.2.19", "flask==3.1.3"]
+
+
+def test_site_build_reads_only_that_folder_and_honours_skip_and_other_parts(tmp_path):
+    from engine.train.fetch_wheels import unpack
+    site = tmp_path / "site"
+    wheels = {"good": ("MIT", "good/core.py"), "copyleft": ("GPL-3.0-only", "copyleft/x.py"),
+              "Big_Pkg": ("BSD-3-Clause", "big_pkg/y.py"), "other-part": ("MIT", "other_part/z.py")}
+    for name, (licence, rel) in wheels.items():
+        unpack(_wheel(tmp_path / f"{name}.whl", name, licence, {rel: f"def {rel[:3]}():\n" + _code(name)}), site)
+    official = _write(tmp_path / "out/heldout.jsonl", json.dumps({"id": "pypi:x:o.py", "lang": "python",
+                                                                  "text": "def o():\n" + _code("o")}) + "\n")
+    other = _write(tmp_path / "other.json", json.dumps({"sources": [{"kind": "pypi", "name": "Other_Part"}]}))
+    manifest = corpus.build(tmp_path / "out", tmp_path / "npm", heldout_from=official,
+                            train_name="train-extra.jsonl", site_dir=site, exclude_from=[other],
+                            skip=["big-pkg"], manifest_out=tmp_path / "m.json")
+    train = [json.loads(l)["id"] for l in (tmp_path / "out/train-extra.jsonl").read_text().splitlines()]
+    assert train == ["pypi:good:good/core.py"]                      # no stdlib, nothing from the venv
+    assert [s["name"] for s in manifest["sources"]] == ["good"]
+    assert [r["name"] for r in manifest["rejected_for_licence"]] == ["copyleft"]
+    assert manifest["skipped"] == ["big-pkg"]
+
+
+def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
+    lines = [json.dumps({"id": f"pypi:p:{i}.py", "lang": "python", "text": "x" * (50 + i)}) + "\n" for i in range(40)]
+    _write(tmp_path / "c/train-extra.jsonl", "".join(lines))
+    pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "e.tar.xz"),
+               "--train-name", "train-extra.jsonl", "--parts", "3", "--no-heldout"])
+    got = []
+    for k in (1, 2, 3):
+        with tarfile.open(tmp_path / f"e.part{k}.tar.xz") as tar:
+            assert tar.getnames() == [f"train-extra-{k}.jsonl"]   # a train* name the trainer reads
+            part = tar.extractfile(f"train-extra-{k}.jsonl").read().decode().splitlines(keepends=True)
+        assert part
+        got += part
+    assert got == lines
+
+
+def test_gpu_session_stages_carried_parts_outside_the_checkout(tmp_path):
+    import subprocess
+    _write(tmp_path / "c/train-extra.jsonl", '{"id": "a", "lang": "python", "text": "x"}\n')
+    pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "e.tar.xz"),
+               "--train-name", "train-extra.jsonl", "--parts", "2", "--no-heldout"])
+    script = Path(__file__).parents[2] / "engine/train/gpu_session.sh"
+    env = {"PATH": "/usr/bin:/bin", "STAGE_DIR": str(tmp_path / "stage"), "OUT": str(tmp_path / "o")}
+    subprocess.run(["bash", str(script), "stage", str(tmp_path / "e.part1.tar.xz"),
+                    str(tmp_path / "e.part2.tar.xz")], check=True, env=env, capture_output=True)
+    assert sorted(p.name for p in (tmp_path / "stage").iterdir()) == ["train-extra-1.jsonl", "train-extra-2.jsonl"]
