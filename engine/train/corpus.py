@@ -86,15 +86,16 @@ def stdlib_source() -> Source:
 
 
 def pypi_sources(rejected: list, site_dir: Path | None = None) -> list[Source]:
-    """The installed packages of this interpreter, or those in `site_dir` (a `pip install
-    --target` folder, or wheels unpacked there)."""
+    """The installed packages of this interpreter, or those in `site_dir`: a `pip install
+    --target` folder, or a folder of such folders (one per wheel, as fetch_wheels writes)."""
     out = []
     if site_dir is None:
         # Only this interpreter's own site dirs (purelib and platlib differ on some systems).
         sites = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
         found = md.distributions()
     else:
-        sites, found = {site_dir.resolve()}, md.distributions(path=[str(site_dir)])
+        roots = [site_dir] + sorted(d for d in site_dir.iterdir() if d.is_dir() and not d.name.endswith(".dist-info"))
+        sites, found = {r.resolve() for r in roots}, md.distributions(path=[str(r) for r in roots])
     dists = [d for d in found if d.metadata.get("Name")]  # skip broken dist-info
     names: set[str] = set()
     for dist in sorted(dists, key=lambda d: d.metadata["Name"].lower()):
@@ -236,9 +237,15 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
         sources = [stdlib_source()] + pypi_sources(rejected) + (npm_sources(npm_root, rejected) if npm else [])
     else:
         sources = pypi_sources(rejected, site_dir)
-    other_parts = {(r["kind"], normalize(r["name"])) for path in exclude_from
-                   for r in json.loads(Path(path).read_text())["sources"]}
+    # A package another part's builder looked at (kept or rejected) belongs to that part.
+    other_parts = set()
+    for path in exclude_from:
+        other = json.loads(Path(path).read_text())
+        other_parts |= {(r["kind"], normalize(r["name"])) for r in other["sources"] + other.get("rejected_for_licence", [])}
     skipped = {normalize(name) for name in skip}
+    unknown = skipped - {normalize(s.name) for s in sources} - {normalize(r["name"]) for r in rejected}
+    if unknown:
+        print(f"--skip names no package found here: {', '.join(sorted(unknown))}")
     sources = [s for s in sources if (s.kind, normalize(s.name)) not in other_parts
                and normalize(s.name) not in skipped]
     if sources_from is not None:

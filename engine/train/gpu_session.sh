@@ -2,7 +2,7 @@
 # One training run on a lent GPU machine whose calls are at most ~10 minutes each and whose
 # transfers are size-limited: the run goes on in the background between calls.
 #
-#   stage PACK...                        unpack corpus parts carried by this call, for a later start
+#   stage [--clear] PACK...              unpack corpus parts carried by this call, for a later start
 #                                       (each call's transfer is size-limited, so a big corpus
 #                                       travels over several calls; the machine keeps them while warm)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
@@ -51,7 +51,9 @@ watch() {  # $1: seconds
 
 case "${1:-}" in
 stage)
-    shift; mkdir -p "$STAGE"
+    shift
+    if [ "${1:-}" = --clear ]; then rm -rf "$STAGE"; shift; fi
+    mkdir -p "$STAGE"
     for pack in "$@"; do tar -xJf "$pack" -C "$STAGE" || exit 1; done
     ls -la "$STAGE"
     ;;
@@ -61,13 +63,19 @@ start)
     if running; then echo "a run is already going: watch or finish it"; exit 1; fi
     rm -rf "$RUN/out" "$RUN/train.log"  # a warm machine keeps the last run's files
     mkdir -p "$RUN" .corpus
+    rm -f .corpus/*.jsonl  # the trainer reads every train*.jsonl: none may be left from a last run
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    if [ -d "$STAGE" ]; then  # staged parts (and maybe the held-out file)
+        cp "$STAGE"/*.jsonl .corpus/ || exit 1
+    fi
     tar -xJf "$pack" -C .corpus || exit 1
-    [ -d "$STAGE" ] && cp "$STAGE"/*.jsonl .corpus/ 2>/dev/null  # staged parts (and held-out file)
+    [ -f .corpus/heldout.jsonl ] || { echo "no heldout.jsonl carried or staged"; exit 1; }
     t0=$SECONDS
+    # The machine's own packages, less any that a carried part already holds.
     $py -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
         --train-name train-gpu.jsonl --manifest-out "$RUN/manifest-gpu.json" \
-        --heldout-list-out "$RUN/heldout-gpu.txt" || exit 1
+        --heldout-list-out "$RUN/heldout-gpu.txt" \
+        --exclude-from engine/train/data/manifest-extra.json || exit 1
     echo "corpus built here in $((SECONDS - t0)) s"; ls -la .corpus
     launch --budget-s "$budget" "$@"
     # A failure of the compiled step shows within minutes: fall back to the plain eager path.
@@ -90,5 +98,5 @@ finish)  # within the call's limit; a run still going then is left to a later "f
     tail -5 "$RUN/train.log"
     copy_out
     ;;
-*) sed -n 2,16p "$0"; exit 2 ;;
+*) sed -n 2,14p "$0"; exit 2 ;;
 esac

@@ -21,19 +21,60 @@ PERMISSIVE_CLASSIFIERS = ("MIT License", "BSD License", "Apache Software License
                           "Python Software Foundation License", "ISC License")
 
 
+# SPDX exceptions that add permissions to a permissive licence. Any other rider ("with Commons
+# Clause", "with a non-commercial clause") may take permissions away, so it is rejected.
+PERMISSIVE_EXCEPTIONS = {"llvm-exception", "swift-exception"}
+
+
 def _id_ok(token: str) -> bool:
-    token = token.strip().strip("()").strip().lower()
-    token = token.split(" with ")[0].strip()  # "Apache-2.0 WITH LLVM-exception" is still Apache
-    return token in PERMISSIVE_IDS
+    licence, *riders = re.split(r"\s+with\s+", token.strip().lower())
+    return licence.strip() in PERMISSIVE_IDS and all(r.strip() in PERMISSIVE_EXCEPTIONS for r in riders)
 
 
 def expression_ok(expr: str) -> bool:
-    """Evaluate a (flat) SPDX expression: OR needs one permissive branch, AND needs all."""
-    expr = re.sub(r"[()]", " ", expr).strip()
-    if not expr:
+    """Evaluate an SPDX expression (AND binds tighter than OR, brackets nest): OR needs one
+    permissive branch, AND needs all. Anything that does not parse is rejected."""
+    tokens = [t.strip() for t in re.split(r"(\(|\)|\s+AND\s+|\s+OR\s+)", expr) if t.strip()]
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str | None:
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1] if pos <= len(tokens) else None
+
+    def any_of() -> bool:  # a OR b OR ...
+        ok = all_of()
+        while peek() == "OR":
+            take()
+            ok = all_of() or ok  # evaluated first, so every branch is parsed
+        return ok
+
+    def all_of() -> bool:  # a AND b AND ...
+        ok = atom()
+        while peek() == "AND":
+            take()
+            ok = atom() and ok
+        return ok
+
+    def atom() -> bool:
+        token = take()
+        if token == "(":
+            ok = any_of()
+            if take() != ")":
+                raise ValueError("unbalanced brackets")
+            return ok
+        if token in (None, ")", "AND", "OR"):
+            raise ValueError(f"unexpected {token!r}")
+        return _id_ok(token)
+
+    try:
+        ok = any_of()
+    except ValueError:
         return False
-    return any(all(_id_ok(part) for part in re.split(r"\s+AND\s+", alt))
-               for alt in re.split(r"\s+OR\s+", expr))
+    return ok and pos == len(tokens)  # trailing tokens ("Apache 2.0 (with exceptions)"): rejected
 
 
 def classify(metadata) -> tuple[bool, str]:

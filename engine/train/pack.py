@@ -17,13 +17,15 @@ and the GPU machine then builds its own part, filtered against those held-out fi
 A train file too big for one transfer is split over several archives, in order, each holding
 TRAIN-K.jsonl (a name the trainer reads), for `gpu_session.sh stage` to unpack call by call:
 
-    python -m engine.train.pack --train-name train-extra.jsonl --parts 3 --no-heldout \
+    python -m engine.train.pack --train-name train-extra.jsonl --parts 3 --no-heldout \\
         --out .runs/extra/extra.tar.xz          # extra.part1.tar.xz ... extra.part3.tar.xz
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import io
+import itertools
 import json
 import lzma
 import random
@@ -53,12 +55,16 @@ def built_there(doc_id: str, packages: set[str]) -> bool:
 
 def split_bytes(lines: list[str], parts: int) -> list[list[str]]:
     """Cut the lines into `parts` runs of about equal size, in order (neighbouring files of one
-    package stay together, which compresses better)."""
-    total, out, acc = sum(map(len, lines)), [[] for _ in range(parts)], 0
-    for line in lines:
-        out[min(parts - 1, acc * parts // max(total, 1))].append(line)
-        acc += len(line)
-    return out
+    package stay together, which compresses better); no run is empty, so there are at most as
+    many runs as lines."""
+    parts = max(1, min(parts, len(lines)))
+    cumulative = list(itertools.accumulate(map(len, lines)))
+    bounds = [0]
+    for k in range(1, parts):
+        cut = bisect.bisect_left(cumulative, cumulative[-1] * k / parts) + 1
+        bounds.append(min(max(cut, bounds[-1] + 1), len(lines) - (parts - k)))
+    bounds.append(len(lines))
+    return [lines[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def write_archive(out: Path, members: list[tuple[str, bytes]]) -> None:
@@ -97,6 +103,13 @@ def pack(corpus: Path, out: Path, fraction: float = 1.0, seed: int = 2,
     return written
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
@@ -108,10 +121,13 @@ def main(argv=None) -> None:
     ap.add_argument("--package-list", type=Path, default=GPU_MACHINE_PACKAGES,
                     help="that machine's packages, one name a line (with --exclude-gpu-machine)")
     ap.add_argument("--train-name", default="train.jsonl", help="the train file in --corpus to pack")
-    ap.add_argument("--parts", type=int, default=1, help="split the train file over this many archives")
+    ap.add_argument("--parts", type=positive_int, default=1,
+                    help="split the train file over this many archives (fewer if it has fewer files)")
     ap.add_argument("--no-heldout", action="store_true", help="leave the official held-out file out "
                     "(another archive carries it)")
     args = ap.parse_args(argv)
+    if not args.train_name.startswith("train"):
+        ap.error("--train-name must start with 'train' (the trainer reads train*.jsonl)")
     exclude = read_package_list(args.package_list) if args.exclude_gpu_machine else None
     pack(args.corpus, args.out, args.fraction, args.seed, exclude, args.train_name, args.parts,
          not args.no_heldout)

@@ -17,6 +17,13 @@ from engine.train.licenses import expression_ok
     ("Apache License, Version 2.0", True), ("Apache License 2.0", True), ("Revised BSD License", True),
     ("3-Clause BSD License", True), ("LGPL-2.1", False), ("ZPL 2.1", False),
     ("Mozilla Public License 2.0 (MPL 2.0)", False),
+    # riders other than known SPDX exceptions may take permissions away
+    ("Apache License 2.0 with Commons Clause", False), ("MIT with non-commercial rider", False),
+    ("BSD-3-Clause WITH GPL-3.0", False), ("Apache License 2.0 (with exceptions)", False),
+    # AND binds tighter than OR, brackets nest, malformed input is rejected
+    ("(MIT OR GPL-3.0) AND LGPL-2.1", False), ("(MIT OR GPL-3.0) AND BSD-3-Clause", True),
+    ("MIT AND (Apache-2.0 OR BSD-3-Clause)", True), ("MPL-2.0 OR GPL-2.0 AND MIT", False),
+    ("(MIT", False), ("MIT)", False), ("MIT OR", False), ("(Apache-2.0)", True),
 ])
 def test_licence_expressions(expr, ok):
     assert expression_ok(expr) is ok

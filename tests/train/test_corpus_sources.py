@@ -167,48 +167,123 @@ def test_unpack_keeps_python_and_metadata_only_and_stays_inside(tmp_path):
     assert read_list(listed) == ["Django==5.2.19", "flask==3.1.3"]
 
 
+def test_fetch_unpacks_only_listed_wheels_each_in_its_own_folder(tmp_path, monkeypatch):
+    from engine.train import fetch_wheels
+    out = tmp_path / "extra"
+    wheels = out / "wheels"
+    wheels.mkdir(parents=True)
+    # Two wheels ship the same path; a third is a stale wheel from an earlier, wider list.
+    _wheel(wheels / "aaa-1.0-py3-none-any.whl", "aaa", "MIT", {"tests/conftest.py": "# aaa's\n"})
+    _wheel(wheels / "zzz-1.0-py3-none-any.whl", "zzz", "GPL-3.0-only", {"tests/conftest.py": "# zzz's\n"})
+    _wheel(wheels / "old-1.0-py3-none-any.whl", "old", "MIT", {"old/a.py": "x = 1\n"})
+    _write(out / "site/stale/leftover.py", "y = 2\n")
+    listed = _write(tmp_path / "list.txt", "aaa==1.0\nZzz==1.0\n")
+    monkeypatch.setattr(fetch_wheels, "download", lambda requirement, dest: None)  # already fetched
+    fetch_wheels.main(["--list", str(listed), "--out", str(out)])
+    assert sorted(p.name for p in (out / "site").iterdir()) == ["aaa-1.0-py3-none-any", "zzz-1.0-py3-none-any"]
+    assert (out / "site/aaa-1.0-py3-none-any/tests/conftest.py").read_text() == "# aaa's\n"
+    sources = corpus.pypi_sources(rejected := [], out / "site")
+    assert [(s.name, s.files) for s in sources] == [("aaa", ["tests/conftest.py"])]
+    assert [r["name"] for r in rejected] == ["zzz"]
+    assert (sources[0].root / "tests/conftest.py").read_text() == "# aaa's\n"
+    # A wheel that cannot be fetched stops the command unless told to go on.
+    monkeypatch.setattr(fetch_wheels, "download", lambda requirement, dest: "no matching distribution")
+    with pytest.raises(SystemExit):
+        fetch_wheels.main(["--list", str(listed), "--out", str(out)])
+    fetch_wheels.main(["--list", str(listed), "--out", str(out), "--allow-missing"])
+
+
 def test_site_build_reads_only_that_folder_and_honours_skip_and_other_parts(tmp_path):
     from engine.train.fetch_wheels import unpack
     site = tmp_path / "site"
     wheels = {"good": ("MIT", "good/core.py"), "copyleft": ("GPL-3.0-only", "copyleft/x.py"),
-              "Big_Pkg": ("BSD-3-Clause", "big_pkg/y.py"), "other-part": ("MIT", "other_part/z.py")}
+              "Big_Pkg": ("BSD-3-Clause", "big_pkg/y.py"), "other-part": ("MIT", "other_part/z.py"),
+              "namesake": ("MIT", "namesake/w.py")}
     for name, (licence, rel) in wheels.items():
-        unpack(_wheel(tmp_path / f"{name}.whl", name, licence, {rel: f"def {rel[:3]}():\n" + _code(name)}), site)
+        unpack(_wheel(tmp_path / f"{name}.whl", name, licence, {rel: f"def {rel[:3]}():\n" + _code(name)}), site / name)
     official = _write(tmp_path / "out/heldout.jsonl", json.dumps({"id": "pypi:x:o.py", "lang": "python",
                                                                   "text": "def o():\n" + _code("o")}) + "\n")
-    other = _write(tmp_path / "other.json", json.dumps({"sources": [{"kind": "pypi", "name": "Other_Part"}]}))
+    # Another part kept Other_Part and rejected nothing here; an npm package of the same name as a
+    # PyPI one is another package.
+    other = _write(tmp_path / "other.json", json.dumps({"sources": [{"kind": "pypi", "name": "Other_Part"},
+                                                                    {"kind": "npm", "name": "namesake"}]}))
     manifest = corpus.build(tmp_path / "out", tmp_path / "npm", heldout_from=official,
                             train_name="train-extra.jsonl", site_dir=site, exclude_from=[other],
                             skip=["big-pkg"], manifest_out=tmp_path / "m.json")
     train = [json.loads(l)["id"] for l in (tmp_path / "out/train-extra.jsonl").read_text().splitlines()]
-    assert train == ["pypi:good:good/core.py"]                      # no stdlib, nothing from the venv
-    assert [s["name"] for s in manifest["sources"]] == ["good"]
+    assert train == ["pypi:good:good/core.py", "pypi:namesake:namesake/w.py"]  # no stdlib, no venv
+    assert [s["name"] for s in manifest["sources"]] == ["good", "namesake"]
     assert [r["name"] for r in manifest["rejected_for_licence"]] == ["copyleft"]
     assert manifest["skipped"] == ["big-pkg"]
 
 
 def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
-    lines = [json.dumps({"id": f"pypi:p:{i}.py", "lang": "python", "text": "x" * (50 + i)}) + "\n" for i in range(40)]
+    sizes = [5000] + [50 + i for i in range(40)]  # one big first file must not leave a part empty
+    lines = [json.dumps({"id": f"pypi:p:{i}.py", "lang": "python", "text": "x" * n}) + "\n" for i, n in enumerate(sizes)]
     _write(tmp_path / "c/train-extra.jsonl", "".join(lines))
+    _write(tmp_path / "c/heldout.jsonl", json.dumps({"id": "h", "lang": "python", "text": "y"}) + "\n")
     pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "e.tar.xz"),
-               "--train-name", "train-extra.jsonl", "--parts", "3", "--no-heldout"])
+               "--train-name", "train-extra.jsonl", "--parts", "3"])
     got = []
     for k in (1, 2, 3):
         with tarfile.open(tmp_path / f"e.part{k}.tar.xz") as tar:
-            assert tar.getnames() == [f"train-extra-{k}.jsonl"]   # a train* name the trainer reads
+            members = tar.getnames()
             part = tar.extractfile(f"train-extra-{k}.jsonl").read().decode().splitlines(keepends=True)
+        assert members == [f"train-extra-{k}.jsonl"] + (["heldout.jsonl"] if k == 1 else [])
         assert part
         got += part
     assert got == lines
+    assert pack.split_bytes(["a"], 3) == [["a"]] and pack.split_bytes([], 2) == [[]]
+    with pytest.raises(SystemExit):
+        pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "f.tar.xz"), "--parts", "0"])
+    with pytest.raises(SystemExit):  # the trainer would not read it
+        pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "f.tar.xz"), "--train-name", "extra.jsonl"])
 
 
-def test_gpu_session_stages_carried_parts_outside_the_checkout(tmp_path):
+def test_the_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts():
+    from engine.train.fetch_wheels import read_list, requirement_key
+    data = Path(corpus.__file__).parent / "data"
+    extra = json.loads((data / "manifest-extra.json").read_text())
+    pinned = {requirement_key(r) for r in read_list(data / "extra_packages.txt")}
+    assert pinned == {requirement_key(f"{s['name']}=={s['version']}") for s in extra["sources"]}
+    others = {corpus.normalize(s["name"]) for f in ("manifest.json", "manifest-gpu.json")
+              for s in json.loads((data / f).read_text())["sources"] if s["kind"] == "pypi"}
+    assert not others & {corpus.normalize(s["name"]) for s in extra["sources"]}
+
+
+def _gpu_session(tmp_path: Path, *args: str, **env: str):
+    """Run gpu_session.sh in tmp_path (its checkout) with python and nvidia-smi stubbed: the
+    stub records its arguments, and as the trainer prints one step and exits."""
     import subprocess
-    _write(tmp_path / "c/train-extra.jsonl", '{"id": "a", "lang": "python", "text": "x"}\n')
+    bin_dir = tmp_path / "bin"
+    _write(bin_dir / "nvidia-smi", "#!/bin/sh\necho stub-gpu\n").chmod(0o755)
+    _write(bin_dir / "python3", "#!/bin/sh\necho \"$@\" >> \"$STUB_LOG\"\n"
+           "case \"$*\" in *engine.train.train*) echo step=1 ;; esac\n").chmod(0o755)
+    script = Path(__file__).parents[2] / "engine/train/gpu_session.sh"
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STAGE_DIR": str(tmp_path / "stage"), "OUT": str(tmp_path / "o"),
+            "RUN_DIR": str(tmp_path / "run"), "STUB_LOG": str(tmp_path / "stub.log")}
+    (tmp_path / "o").mkdir(exist_ok=True)
+    return subprocess.run(["bash", str(script), *args], cwd=tmp_path, env={**base, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_session_stages_parts_and_start_trains_on_exactly_them(tmp_path):
+    two = "".join(json.dumps({"id": f"pypi:p:{i}.py", "lang": "python", "text": "x" * 80}) + "\n" for i in range(2))
+    _write(tmp_path / "c/train-extra.jsonl", two)
+    _write(tmp_path / "c/train.jsonl", json.dumps({"id": "npm:a:b.js", "lang": "javascript", "text": "z"}) + "\n")
+    _write(tmp_path / "c/heldout.jsonl", json.dumps({"id": "h", "lang": "python", "text": "y"}) + "\n")
     pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "e.tar.xz"),
                "--train-name", "train-extra.jsonl", "--parts", "2", "--no-heldout"])
-    script = Path(__file__).parents[2] / "engine/train/gpu_session.sh"
-    env = {"PATH": "/usr/bin:/bin", "STAGE_DIR": str(tmp_path / "stage"), "OUT": str(tmp_path / "o")}
-    subprocess.run(["bash", str(script), "stage", str(tmp_path / "e.part1.tar.xz"),
-                    str(tmp_path / "e.part2.tar.xz")], check=True, env=env, capture_output=True)
+    pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar.xz")])
+    _write(tmp_path / "stage/train-old.jsonl", "{}\n")               # from an earlier staging
+    _write(tmp_path / ".corpus/train-stale.jsonl", "{}\n")           # from an earlier run
+    done = _gpu_session(tmp_path, "stage", "--clear", str(tmp_path / "e.part1.tar.xz"), str(tmp_path / "e.part2.tar.xz"))
+    assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "stage").iterdir()) == ["train-extra-1.jsonl", "train-extra-2.jsonl"]
+    done = _gpu_session(tmp_path, "start", str(tmp_path / "p.tar.xz"), "100", "--lr", "1e-3", CALL_S="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / ".corpus").glob("*.jsonl")) == [
+        "heldout.jsonl", "train-extra-1.jsonl", "train-extra-2.jsonl", "train.jsonl"]
+    calls = (tmp_path / "stub.log").read_text().splitlines()
+    assert "--exclude-from engine/train/data/manifest-extra.json" in calls[0]   # the corpus build
+    assert calls[1].startswith("-m engine.train.train") and calls[1].endswith("--budget-s 100 --lr 1e-3")
