@@ -5,7 +5,9 @@
 Cold: a fresh engine computes the whole prompt. Warm: the engine was warmed with the prompt as
 it stood one keystroke earlier (suffix-first FIM, so the keystroke only appends), as the server
 does while the user types; the completion then computes only the new tokens. Prompts are real
-source text (this project's own files, then the standard library's).
+source text (this project's own files, then the standard library's). The prompts are not healed:
+this measures the first sampled token; the server's token healing releases the first text about
+one decode step later (`python -m engine.bench_healing`).
 """
 
 from __future__ import annotations

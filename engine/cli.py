@@ -13,7 +13,7 @@ from engine.models import default_model_dir
 def _generate(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level, so `wd-engine --help` stays instant.
     from engine.config import ModelFormatError
-    from engine.fim import FimUnsupported, build_fim_prompt
+    from engine.fim import FimUnsupported, build_fim_prompt, healed_text
     from engine.generate import PromptTooLong, generate
     from engine.loader import load_model
     from engine.prompt_layout import supported_fim_orders
@@ -31,9 +31,10 @@ def _generate(args: argparse.Namespace) -> int:
             order = args.fim_order
             if order == "auto":  # the model's cache-friendly suffix-first order when it was trained with it
                 order = "spm" if "spm" in supported_fim_orders(model_dir) else "psm"
-            prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", order)
+            prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", order, heal=True)
+            forced_text = healed_text(tokenizer, args.fim_prefix or "")
         elif args.prompt is not None:
-            prompt_ids = tokenizer.encode_prompt(args.prompt)
+            prompt_ids, forced_text = tokenizer.encode_prompt(args.prompt), ""
         else:
             print("wd-engine generate: give --prompt TEXT or --fim-prefix/--fim-suffix", file=sys.stderr)
             return 2
@@ -46,6 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             stop=args.stop or (),
+            forced_text=forced_text,
         )
         for delta in stream:
             sys.stdout.write(delta)

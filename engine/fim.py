@@ -9,6 +9,8 @@ The model generates the middle after <|fim_middle|>.
 
 from __future__ import annotations
 
+from engine.token_healing import token_healer
+
 FIM_PREFIX = "<|fim_prefix|>"
 FIM_SUFFIX = "<|fim_suffix|>"
 FIM_MIDDLE = "<|fim_middle|>"
@@ -31,13 +33,20 @@ def fim_token_ids(tokenizer) -> tuple[int, int, int]:
     return ids[0], ids[1], ids[2]
 
 
-def build_fim_prompt(tokenizer, prefix: str, suffix: str, order: str = "psm") -> list[int]:
-    """Token ids of a FIM prompt; the completion is what the model writes next."""
+def build_fim_prompt(tokenizer, prefix: str, suffix: str, order: str = "psm", heal: bool = False) -> list[int]:
+    """Token ids of a FIM prompt; the completion is what the model writes next. With `heal`, the
+    end of the prefix is left out (the cursor line's indentation, else its last token; see
+    engine.token_healing): generate with `forced_text=healed_text(tokenizer, prefix)`."""
     if order not in ORDERS:
         raise ValueError(f"unknown FIM order {order!r}; expected one of {ORDERS}")
     pre, suf, mid = fim_token_ids(tokenizer)
-    prefix_ids = tokenizer.encode(prefix)
+    prefix_ids = token_healer(tokenizer).split(prefix)[0] if heal else tokenizer.encode(prefix)
     suffix_ids = tokenizer.encode(suffix)
     if order == "psm":
         return [pre, *prefix_ids, suf, *suffix_ids, mid]
     return [suf, *suffix_ids, pre, *prefix_ids, mid]
+
+
+def healed_text(tokenizer, prefix: str) -> str:
+    """The end of the prefix that a healed prompt leaves for the model to write again."""
+    return token_healer(tokenizer).split(prefix)[1]

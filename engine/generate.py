@@ -10,6 +10,7 @@ import torch
 from engine.model import Qwen3MoeModel
 from engine.sampling import sample
 from engine.output import OutputAssembler
+from engine.token_healing import Forcing, token_healer
 from engine.tokenizer import Tokenizer
 
 
@@ -25,11 +26,12 @@ class GenerationStats:
     prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the call to the first released text or the end
     decode_s: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the forced tokens, then the completion's
+    forced_tokens: int = 0  # tokens that wrote the healed text (engine.token_healing)
 
     @property
     def decode_tokens_per_s(self) -> float:
-        steps = max(self.completion_tokens - 1, 0)
+        steps = max(self.completion_tokens + self.forced_tokens - 1, 0)
         return steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
@@ -47,6 +49,7 @@ class GenerationStream:
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] = (),
         stop_at_eos: bool = True,
+        forced_text: str = "",
     ):
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
@@ -56,13 +59,17 @@ class GenerationStream:
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_ids = list(prompt_ids)
-        self.max_tokens = min(max_tokens, limit - len(prompt_ids))
+        # Room for the tokens that write the forced text (at most one per byte) on top of the budget.
+        self.forced_room = min(len(forced_text.encode()), limit - len(prompt_ids))
+        self.max_tokens = min(max_tokens, limit - len(prompt_ids) - self.forced_room)
         self.temperature = temperature
         self.top_p = top_p
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(seed)
-        self.output = OutputAssembler(tokenizer, self.max_tokens, stop, stop_at_eos)
+        # forced_text: the first tokens must write it, and it is not released (token healing).
+        self.output = OutputAssembler(tokenizer, self.max_tokens, stop, stop_at_eos, skip_text=forced_text)
+        self.forcing = Forcing(token_healer(tokenizer), forced_text) if forced_text else None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.text = ""
 
@@ -77,18 +84,26 @@ class GenerationStream:
         if not self.stats.first_token_s:
             self.stats.first_token_s = time.perf_counter() - started
 
+    def _sample(self, logits: torch.Tensor) -> int:
+        if self.forcing is not None and self.forcing.active:
+            logits = self.forcing.mask(logits)
+        token = int(sample(logits, self.temperature, self.top_p, self.generator))
+        if self.forcing is not None and self.forcing.active:
+            self.forcing.advance(token)
+        return token
+
     def _deltas(self):
         model, stats = self.model, self.stats
         if self.max_tokens <= 0:
             stats.finish_reason = "length"
             return
         device = model.device
-        cache = model.new_cache(1, capacity=len(self.prompt_ids) + self.max_tokens)
+        cache = model.new_cache(1, capacity=len(self.prompt_ids) + self.forced_room + self.max_tokens)
         tokens = torch.tensor([self.prompt_ids], device=device)
         positions = torch.arange(len(self.prompt_ids), device=device)[None]
         t0 = time.perf_counter()
         logits = model.forward(tokens, positions, cache, last_only=True)[:, -1]
-        next_id = int(sample(logits, self.temperature, self.top_p, self.generator))
+        next_id = self._sample(logits)
         stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         position = len(self.prompt_ids)
@@ -99,12 +114,13 @@ class GenerationStream:
                 break
             step = torch.tensor([[next_id]], device=device)
             logits = model.forward(step, torch.tensor([[position]], device=device), cache)[:, -1]
-            next_id = int(sample(logits, self.temperature, self.top_p, self.generator))
+            next_id = self._sample(logits)
             position += 1
         stats.decode_s = time.perf_counter() - t0
         stats.finish_reason = out.finish_reason
         stats.token_ids = out.token_ids
-        stats.completion_tokens = len(out.token_ids)
+        stats.completion_tokens = out.completion_tokens
+        stats.forced_tokens = out.forced_tokens
 
 
 def generate(model, tokenizer, prompt_ids, **options) -> GenerationStream:

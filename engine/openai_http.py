@@ -243,7 +243,8 @@ class OpenAIFrontend:
             p = P.CompletionParams.from_params(params)
         except (TypeError, ValueError) as exc:
             raise _bad(str(exc)) from exc
-        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.server._build_prompt, p)
+        ids, forced_text = (prompt, "") if isinstance(prompt, list) else \
+            await asyncio.to_thread(self.server._build_prompt, p)
         limit = self.server.engine.model.config.max_position_embeddings
         if len(ids) + p.max_tokens > limit:
             raise _bad(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
@@ -255,7 +256,8 @@ class OpenAIFrontend:
             raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
         engine_request = Request(
             list(ids), max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-            seed=p.seed, stop=p.stop, stop_at_eos=not ignore_eos, id=f"http:{secrets.token_hex(8)}",
+            seed=p.seed, stop=p.stop, stop_at_eos=not ignore_eos, forced_text=forced_text,
+            id=f"http:{secrets.token_hex(8)}",
         )
         return engine_request, stream, bool(options.get("include_usage"))
 

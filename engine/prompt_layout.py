@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.fim import FILE_SEP, fim_token_ids
+from engine.token_healing import token_healer
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,15 @@ def build_completion_prompt(
     max_prompt_tokens: int = 2048,
     max_suffix_tokens: int = 256,
     repo_context: bool = True,
+    heal: bool = False,
 ) -> list[int]:
+    """With `heal` the end of the prefix is left out (the cursor line's indentation, else its
+    last token), to be written again under the constraint
+    `forced_text=engine.fim.healed_text(tokenizer, prefix)` (engine.token_healing)."""
     pre, suf, mid = fim_token_ids(tokenizer)
     if not repo_context:
         chunks, path = (), None
-    prefix_ids = tokenizer.encode(prefix)
+    prefix_ids = token_healer(tokenizer).split(prefix)[0] if heal else tokenizer.encode(prefix)
     suffix_ids = tokenizer.encode(suffix)[:max_suffix_tokens]
     header: list[int] = []
     sep = tokenizer.token_id(FILE_SEP)

@@ -27,6 +27,7 @@ from engine.kv_pool import KVPool, PagedBatch
 from engine.model import Qwen3MoeModel
 from engine.output import OutputAssembler
 from engine.sampling import GREEDY_BELOW, sample
+from engine.token_healing import Forcing, token_healer
 from engine.sequence import BlockTable
 from engine.tokenizer import Tokenizer
 
@@ -50,6 +51,7 @@ class Request:
     client: str | None = None  # a newer request of the same client supersedes older ones
     deadline_s: float | None = None  # seconds after submission; then it ends with what it has
     return_logits: bool = False  # the first sampled position's logits in the final event
+    forced_text: str = ""  # the first tokens must write this, and it is not released (token healing)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -81,6 +83,7 @@ class _Active:
     prefill_s: float = 0.0
     cancel_reason: str | None = None
     first_logits: torch.Tensor | None = None
+    forcing: Forcing | None = None
 
     @property
     def decoding(self) -> bool:
@@ -284,17 +287,22 @@ class Engine:
         if not prompt:
             raise PoolFull("empty prompt")
         limit = self.model.config.max_position_embeddings
-        budget = 0 if req.warm_only else max(req.max_tokens, 0)
-        total = min(len(prompt) + budget, limit)
         if len(prompt) >= limit:
             raise PoolFull(f"prompt has {len(prompt)} tokens; the model's context is {limit}")
+        # Room for the tokens that write the forced text (at most one per byte) on top of the budget.
+        forced = 0 if req.warm_only else min(len(req.forced_text.encode()), limit - len(prompt))
+        budget = 0 if req.warm_only else max(min(req.max_tokens, limit - len(prompt) - forced), 0)
+        total = len(prompt) + forced + budget
         needed = -(-total // bs)
         if needed > self.allocator.num_blocks:
             raise PoolFull(
                 f"request needs {needed} KV blocks ({total} tokens) but the pool has {self.allocator.num_blocks}"
             )
         if not req.warm_only:  # built before any block is taken, so a bad seed leaks nothing
-            a.output = OutputAssembler(self.tokenizer, total - len(prompt), req.stop, req.stop_at_eos)
+            a.output = OutputAssembler(self.tokenizer, budget, req.stop, req.stop_at_eos,
+                                       skip_text=req.forced_text)
+            if req.forced_text:
+                a.forcing = Forcing(token_healer(self.tokenizer), req.forced_text)
             if req.seed is not None:
                 a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
         # Keep at least the last prompt token to compute: its logits give the first new token.
@@ -385,13 +393,18 @@ class Engine:
         req = a.request
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
+        raw_logits = logits
+        if a.forcing is not None and a.forcing.active:
+            logits, greedy_token = a.forcing.mask(logits), None  # the device's argmax is unconstrained
         if greedy_token is not None and req.temperature < GREEDY_BELOW:
             token = int(greedy_token)  # argmax already taken on the device
         else:
             token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
         if first:
             a.first_token = time.monotonic()
-            a.first_logits = logits.clone() if req.return_logits else None  # graph outputs are reused
+            a.first_logits = raw_logits.clone() if req.return_logits else None  # graph outputs are reused
+        if a.forcing is not None:
+            a.forcing.advance(token)
         delta = a.output.push(token)
         a.tokens.append(token)
         if delta:
@@ -411,7 +424,7 @@ class Engine:
         usage = dict(
             prompt_tokens=len(a.request.prompt_ids),
             cached_tokens=a.cached,
-            completion_tokens=len(a.output.token_ids) if a.output else 0,
+            completion_tokens=a.output.completion_tokens if a.output else 0,
             queue_ms=1000 * ((a.started or now) - a.submitted),
             prefill_ms=1000 * a.prefill_s,
             first_token_ms=1000 * (a.first_token - a.submitted) if a.first_token else None,

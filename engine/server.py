@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import protocol as P
+from engine.fim import healed_text
+from engine.token_healing import token_healer
 from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders, uses_repo_context
 from engine.scheduler import Engine, Request
 
@@ -68,6 +70,7 @@ class EngineServer:
         self.options = options
         self.fim_orders = supported_fim_orders(model_dir)
         self.repo_context = uses_repo_context(model_dir)
+        token_healer(self.engine.tokenizer)  # its vocabulary scan now, not in the first completion
         self.connections: set[_Connection] = set()
         self.started = time.monotonic()
         self.last_client_seen = time.monotonic()
@@ -249,22 +252,24 @@ class EngineServer:
         return True
 
     # -- requests -------------------------------------------------------------------------------
-    def _build_prompt(self, p: P.CompletionParams) -> list[int]:
+    def _build_prompt(self, p: P.CompletionParams) -> tuple[list[int], str]:
+        """The prompt's ids, and the text its first tokens must write (token healing)."""
         tokenizer = self.engine.tokenizer
         if p.prompt is not None:
-            return tokenizer.encode_prompt(p.prompt)
+            return tokenizer.encode_prompt(p.prompt), ""
         order = p.fim_order if p.fim_order != "auto" else ("spm" if "spm" in self.fim_orders else "psm")
         context = self.engine.model.config.max_position_embeddings
         budget = min(self.options.max_prompt_tokens, context - max(p.max_tokens, 1) - 1)
         chunks = [ContextChunk(c["path"], c["text"]) for c in p.chunks]
-        return build_completion_prompt(tokenizer, p.prefix, p.suffix, chunks, p.path, order, max_prompt_tokens=budget,
-                                       repo_context=self.repo_context)
+        ids = build_completion_prompt(tokenizer, p.prefix, p.suffix, chunks, p.path, order, max_prompt_tokens=budget,
+                                      repo_context=self.repo_context, heal=True)
+        return ids, healed_text(tokenizer, p.prefix)
 
     async def _complete(self, conn: _Connection, rid, params: dict, warm: bool) -> None:
         conn.requests[rid] = PENDING  # a cancel may arrive while the prompt is being built
         try:
             p = P.CompletionParams.from_params(params)
-            prompt_ids = await asyncio.to_thread(self._build_prompt, p)
+            prompt_ids, forced_text = await asyncio.to_thread(self._build_prompt, p)
         except Exception as exc:  # noqa: BLE001 - bad parameters are the client's error
             conn.requests.pop(rid, None)
             await conn.send(P.error_message(rid, P.BAD_REQUEST, str(exc)))
@@ -277,7 +282,7 @@ class EngineServer:
         events: asyncio.Queue = asyncio.Queue()
         request = Request(
             prompt_ids, max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-            seed=p.seed, stop=p.stop, warm_only=warm, client=p.client,
+            seed=p.seed, stop=p.stop, warm_only=warm, client=p.client, forced_text=forced_text,
             deadline_s=None if p.deadline_ms is None else p.deadline_ms / 1000.0,
             id=f"{conn.number}:{rid}:{secrets.token_hex(4)}",
         )

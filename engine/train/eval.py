@@ -5,7 +5,8 @@
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
 stop at end of middle), greedy, in PSM and SPM order; exact match and edit similarity. Bits per
 byte: left-to-right loss over the first --bpb-tokens tokens of each file. Runs through the
-project's engine; `--backend transformers` runs the same tasks through Hugging Face instead.
+project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
+`--backend transformers` runs the same tasks through Hugging Face instead (without healing).
 """
 from __future__ import annotations
 
@@ -29,23 +30,25 @@ STOPS = {"single": ["\n"], "multi": []}
 
 
 class EngineBackend:
-    def __init__(self, model_dir: Path):
-        from engine.fim import build_fim_prompt
+    def __init__(self, model_dir: Path, heal: bool = True):
+        from engine.fim import build_fim_prompt, healed_text
         from engine.generate import complete
         from engine.loader import load_model
         from engine.tokenizer import Tokenizer
 
         self.model = load_model(model_dir)
         self.tok = Tokenizer.from_dir(model_dir)
-        self._complete, self._prompt = complete, build_fim_prompt
+        self._complete, self._prompt, self._healed = complete, build_fim_prompt, healed_text
+        self.heal = heal
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
-        ids = self._prompt(self.tok, prefix, suffix, order)
+        ids = self._prompt(self.tok, prefix, suffix, order, heal=self.heal)
+        forced = self._healed(self.tok, prefix) if self.heal else ""
         text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
-                                 stop=STOPS[kind])
+                                 stop=STOPS[kind], forced_text=forced)
         return text
 
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -101,14 +104,15 @@ def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
 
 
 def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
-        allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi")) -> dict:
+        allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
+        heal: bool = True) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
     t0 = time.time()
-    backend = EngineBackend(model_dir) if backend_name == "engine" else TransformersBackend(model_dir)
+    backend = EngineBackend(model_dir, heal) if backend_name == "engine" else TransformersBackend(model_dir)
     result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
-              "load_s": round(time.time() - t0, 3)}
+              "token_healing": heal and backend_name == "engine", "load_s": round(time.time() - t0, 3)}
     for kind in kinds:
         tasks = make_tasks(docs, kind, seed)
         for order in orders:
@@ -143,10 +147,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
-                 args.allow_changed, args.seed, tuple(args.kinds.split(",")))
+                 args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

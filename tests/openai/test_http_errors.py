@@ -36,7 +36,7 @@ class StubEngine:
 def stub():
     engine = StubEngine()
     server = SimpleNamespace(engine=engine, draining=False, model_dir=Path("/models/stub-model"),
-                             last_client_seen=time.monotonic(), _build_prompt=lambda p: [1, 2, 3])
+                             last_client_seen=time.monotonic(), _build_prompt=lambda p: ([1, 2, 3], ""))
     frontend = OpenAIFrontend(server, HttpOptions(token=TOKEN))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app), base_url="http://test")
     return SimpleNamespace(engine=engine, server=server, frontend=frontend, client=client)

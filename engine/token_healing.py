@@ -1,0 +1,132 @@
+"""Token healing at the cursor.
+
+A prefix cut at the cursor often ends in a token the model rarely saw there: byte-level BPE
+writes an indented line as "\\n   " + " return", but a prefix that stops after the indentation
+ends in "\\n    ", and one that stops mid-word ends in a word fragment. So the prompt leaves out
+the end of the prefix (the cursor line's indentation, else its last token), and decoding is
+constrained until the model has written that text again (in whatever tokens it prefers); the
+text is then dropped from the output, since the editor already has it.
+
+    healer = token_healer(tokenizer)
+    prefix_ids, forced = healer.split(prefix)       # prompt with prefix_ids; generate with
+    forcing = Forcing(healer, forced)                # forcing.mask(logits) / forcing.advance(id)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable-character map (GPT-2's)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenHealer:
+    """Per tokenizer: every token's bytes, and which tokens can start a given text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = tokenizer.backend
+        special = set(backend.get_added_tokens_decoder())
+        decoder = _byte_decoder()
+        size = tokenizer.vocab_size
+        self.token_bytes: list[bytes | None] = [None] * size
+        for piece, i in backend.get_vocab(with_added_tokens=True).items():
+            if i in special or i >= size:
+                continue
+            try:
+                self.token_bytes[i] = bytes(decoder[c] for c in piece)
+            except KeyError:  # not a byte-level vocabulary: no healing
+                self.token_bytes = []
+                break
+        # Healing needs every single byte as a token, so any text can always be written.
+        singles = {b for b in self.token_bytes if b is not None and len(b) == 1}
+        self.supported = len(singles) == 256
+        self._by_first_byte: dict[int, list[tuple[int, bytes]]] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b:
+                self._by_first_byte.setdefault(b[0], []).append((i, b))
+        self._allowed_cache: dict[bytes, torch.Tensor] = {}
+
+    def split(self, prefix: str) -> tuple[list[int], str]:
+        """The prompt's prefix ids and the text the model must write first:
+        - the cursor line holds only indentation: the prefix up to the line's start, and the
+          indentation (a FIM middle that starts a line starts with its indentation, as in
+          training; on the held-out single-line tasks this beats backing off one token);
+        - the cursor is at the start of a line (or of the file): nothing to heal, the prefix
+          ends where a middle that starts a line begins in training;
+        - else the prefix less its last token, and that token's text;
+        - all the ids and "" for a special token or part of a character."""
+        ids_of = self.tokenizer.encode
+        line = prefix[prefix.rfind("\n") + 1:]
+        if not self.supported or not line:
+            return ids_of(prefix), ""
+        if not line.strip():
+            return ids_of(prefix[: len(prefix) - len(line)]), line
+        ids = ids_of(prefix)
+        last = self.token_bytes[ids[-1]] if ids[-1] < len(self.token_bytes) else None
+        try:
+            text = last.decode("utf-8") if last else ""
+        except UnicodeDecodeError:
+            return ids, ""
+        if not text or not prefix.endswith(text):
+            return ids, ""
+        return ids[:-1], text
+
+    def allowed(self, remaining: bytes) -> torch.Tensor:
+        """Ids of the tokens that can come next while `remaining` must still be written: those
+        that are a start of it, or that start with all of it."""
+        cached = self._allowed_cache.get(remaining)
+        if cached is None:
+            cached = torch.tensor([i for i, b in self._by_first_byte.get(remaining[0], [])
+                                   if b.startswith(remaining) or remaining.startswith(b)], dtype=torch.long)
+            if len(self._allowed_cache) > 4096:
+                self._allowed_cache.clear()
+            self._allowed_cache[remaining] = cached
+        return cached
+
+
+def token_healer(tokenizer) -> TokenHealer:
+    """The tokenizer's healer, built once (the vocabulary scan takes a few tens of milliseconds)."""
+    healer = getattr(tokenizer, "_token_healer", None)
+    if healer is None:
+        healer = TokenHealer(tokenizer)
+        tokenizer._token_healer = healer
+    return healer
+
+
+class Forcing:
+    """One request's constraint: the text its first tokens must write."""
+
+    def __init__(self, healer: TokenHealer, text: str):
+        self.healer = healer
+        # A vocabulary that cannot write every text forces nothing (split never heals with it).
+        self.remaining = text.encode() if healer.supported else b""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.remaining)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits (last dim = vocabulary) with every token that would break the text at -inf."""
+        allowed = self.healer.allowed(self.remaining).to(logits.device)
+        masked = torch.full_like(logits, float("-inf"))
+        masked[..., allowed] = logits[..., allowed]
+        return masked
+
+    def advance(self, token_id: int) -> None:
+        pieces = self.healer.token_bytes
+        piece = (pieces[token_id] if token_id < len(pieces) else None) or b""
+        self.remaining = self.remaining[len(piece):] if self.remaining.startswith(piece) else b""
