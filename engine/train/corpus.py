@@ -30,8 +30,9 @@ against the official held-out files and leaving those (and the committed records
 (its own held-out files go to `heldout-gpu.jsonl`, named after the train file).
 
 Packages neither part has are fetched as wheels into a folder (`engine.train.fetch_wheels`) and
-built the same way from that folder alone (`--site`), leaving out the packages the other parts'
-manifests name (`--exclude-from`) and any named with `--skip`; see that module for the command.
+built the same way from that folder alone (`--site`), leaving out the packages the other parts
+hold (`--exclude-from` their manifests, or a list of names) and any named with `--skip`; see that
+module for the command.
 """
 from __future__ import annotations
 
@@ -237,11 +238,16 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
         sources = [stdlib_source()] + pypi_sources(rejected) + (npm_sources(npm_root, rejected) if npm else [])
     else:
         sources = pypi_sources(rejected, site_dir)
-    # A package another part's builder looked at (kept or rejected) belongs to that part.
+    # Packages another part holds: those its manifest kept, or (a plain list of names, such as
+    # the GPU machine's installed packages) every package that part's builder will read.
     other_parts = set()
     for path in exclude_from:
-        other = json.loads(Path(path).read_text())
-        other_parts |= {(r["kind"], normalize(r["name"])) for r in other["sources"] + other.get("rejected_for_licence", [])}
+        path = Path(path)
+        if path.suffix == ".json":
+            other_parts |= {(r["kind"], normalize(r["name"])) for r in json.loads(path.read_text())["sources"]}
+        else:
+            other_parts |= {("pypi", normalize(line.strip())) for line in path.read_text().splitlines()
+                            if line.strip() and not line.startswith("#")}
     skipped = {normalize(name) for name in skip}
     unknown = skipped - {normalize(s.name) for s in sources} - {normalize(r["name"]) for r in rejected}
     if unknown:
@@ -335,7 +341,8 @@ def main(argv=None) -> None:
     ap.add_argument("--site", type=Path, help="read only the packages installed in this folder "
                     "(pip install --target, or unpacked wheels): no standard library, no npm")
     ap.add_argument("--exclude-from", type=Path, action="append", default=[],
-                    help="leave out the packages this manifest names (another part of the corpus)")
+                    help="leave out the packages another part holds: the sources its manifest (.json) "
+                    "kept, or every name in a list (one a line, e.g. data/gpu_machine_packages.txt)")
     ap.add_argument("--skip", action="append", default=[], metavar="PACKAGE",
                     help="leave out this package (generated code, data tables, one package too big)")
     args = ap.parse_args(argv)

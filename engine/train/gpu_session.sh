@@ -71,11 +71,12 @@ start)
     tar -xJf "$pack" -C .corpus || exit 1
     [ -f .corpus/heldout.jsonl ] || { echo "no heldout.jsonl carried or staged"; exit 1; }
     t0=$SECONDS
-    # The machine's own packages, less any that a carried part already holds.
+    # The machine's own packages, less any that a fetched part already holds.
+    fetched=()
+    for m in engine/train/data/manifest-extra*.json; do [ -f "$m" ] && fetched+=(--exclude-from "$m"); done
     $py -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
         --train-name train-gpu.jsonl --manifest-out "$RUN/manifest-gpu.json" \
-        --heldout-list-out "$RUN/heldout-gpu.txt" \
-        --exclude-from engine/train/data/manifest-extra.json || exit 1
+        --heldout-list-out "$RUN/heldout-gpu.txt" "${fetched[@]}" || exit 1
     echo "corpus built here in $((SECONDS - t0)) s"; ls -la .corpus
     launch --budget-s "$budget" "$@"
     # A failure of the compiled step shows within minutes: fall back to the plain eager path.

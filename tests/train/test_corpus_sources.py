@@ -203,12 +203,15 @@ def test_site_build_reads_only_that_folder_and_honours_skip_and_other_parts(tmp_
         unpack(_wheel(tmp_path / f"{name}.whl", name, licence, {rel: f"def {rel[:3]}():\n" + _code(name)}), site / name)
     official = _write(tmp_path / "out/heldout.jsonl", json.dumps({"id": "pypi:x:o.py", "lang": "python",
                                                                   "text": "def o():\n" + _code("o")}) + "\n")
-    # Another part kept Other_Part and rejected nothing here; an npm package of the same name as a
-    # PyPI one is another package.
+    # Another part's manifest kept Other_Part (an npm package of the same name as a PyPI one is
+    # another package), and a machine's package list names Listed_Pkg.
     other = _write(tmp_path / "other.json", json.dumps({"sources": [{"kind": "pypi", "name": "Other_Part"},
                                                                     {"kind": "npm", "name": "namesake"}]}))
+    listed = _write(tmp_path / "machine.txt", "# a machine's packages\nlisted.pkg\n")
+    unpack(_wheel(tmp_path / "listed.whl", "Listed_Pkg", "MIT", {"listed_pkg/v.py": "def lis():\n" + _code("lst")}),
+           site / "listed")
     manifest = corpus.build(tmp_path / "out", tmp_path / "npm", heldout_from=official,
-                            train_name="train-extra.jsonl", site_dir=site, exclude_from=[other],
+                            train_name="train-extra.jsonl", site_dir=site, exclude_from=[other, listed],
                             skip=["big-pkg"], manifest_out=tmp_path / "m.json")
     train = [json.loads(l)["id"] for l in (tmp_path / "out/train-extra.jsonl").read_text().splitlines()]
     assert train == ["pypi:good:good/core.py", "pypi:namesake:namesake/w.py"]  # no stdlib, no venv
@@ -240,15 +243,20 @@ def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
         pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "f.tar.xz"), "--train-name", "extra.jsonl"])
 
 
-def test_the_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts():
+@pytest.mark.parametrize("part", ["extra", "extra2"])
+def test_a_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts(part):
     from engine.train.fetch_wheels import read_list, requirement_key
     data = Path(corpus.__file__).parent / "data"
-    extra = json.loads((data / "manifest-extra.json").read_text())
-    pinned = {requirement_key(r) for r in read_list(data / "extra_packages.txt")}
-    assert pinned == {requirement_key(f"{s['name']}=={s['version']}") for s in extra["sources"]}
-    others = {corpus.normalize(s["name"]) for f in ("manifest.json", "manifest-gpu.json")
-              for s in json.loads((data / f).read_text())["sources"] if s["kind"] == "pypi"}
-    assert not others & {corpus.normalize(s["name"]) for s in extra["sources"]}
+    fetched = json.loads((data / f"manifest-{part}.json").read_text())
+    pinned = {requirement_key(r) for r in read_list(data / f"{part}_packages.txt")}
+    assert pinned == {requirement_key(f"{s['name']}=={s['version']}") for s in fetched["sources"]}
+    names = {corpus.normalize(s["name"]) for s in fetched["sources"]}
+    for other in sorted({"manifest.json", "manifest-gpu.json", "manifest-extra.json", "manifest-extra2.json"}
+                        - {f"manifest-{part}.json"}):
+        kept = {corpus.normalize(s["name"]) for s in json.loads((data / other).read_text())["sources"]
+                if s["kind"] == "pypi"}
+        assert not kept & names, other
+    assert not pack.read_package_list() & names  # nor what the GPU machine builds itself
 
 
 def _gpu_session(tmp_path: Path, *args: str, **env: str):
@@ -275,6 +283,8 @@ def test_gpu_session_stages_parts_and_start_trains_on_exactly_them(tmp_path):
     pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "e.tar.xz"),
                "--train-name", "train-extra.jsonl", "--parts", "2", "--no-heldout"])
     pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar.xz")])
+    for name in ("manifest-extra.json", "manifest-extra2.json"):      # the fetched parts' records
+        _write(tmp_path / "engine/train/data" / name, '{"sources": []}\n')
     _write(tmp_path / "stage/train-old.jsonl", "{}\n")               # from an earlier staging
     _write(tmp_path / ".corpus/train-stale.jsonl", "{}\n")           # from an earlier run
     done = _gpu_session(tmp_path, "stage", "--clear", str(tmp_path / "e.part1.tar.xz"), str(tmp_path / "e.part2.tar.xz"))
@@ -285,5 +295,6 @@ def test_gpu_session_stages_parts_and_start_trains_on_exactly_them(tmp_path):
     assert sorted(p.name for p in (tmp_path / ".corpus").glob("*.jsonl")) == [
         "heldout.jsonl", "train-extra-1.jsonl", "train-extra-2.jsonl", "train.jsonl"]
     calls = (tmp_path / "stub.log").read_text().splitlines()
-    assert "--exclude-from engine/train/data/manifest-extra.json" in calls[0]   # the corpus build
+    assert calls[0].endswith("--exclude-from engine/train/data/manifest-extra.json "
+                             "--exclude-from engine/train/data/manifest-extra2.json")  # the corpus build
     assert calls[1].startswith("-m engine.train.train") and calls[1].endswith("--budget-s 100 --lr 1e-3")
