@@ -10,7 +10,7 @@ import torch
 from engine.model import Qwen3MoeModel
 from engine.sampling import sample
 from engine.output import OutputAssembler
-from engine.token_healing import Forcing, token_healer
+from engine.token_healing import forcing_for
 from engine.tokenizer import Tokenizer
 
 
@@ -69,7 +69,7 @@ class GenerationStream:
             self.generator = torch.Generator(device=model.device).manual_seed(seed)
         # forced_text: the first tokens must write it, and it is not released (token healing).
         self.output = OutputAssembler(tokenizer, self.max_tokens, stop, stop_at_eos, skip_text=forced_text)
-        self.forcing = Forcing(token_healer(tokenizer), forced_text) if forced_text else None
+        self.forcing = forcing_for(tokenizer, forced_text)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.text = ""
 

@@ -27,7 +27,7 @@ from engine.kv_pool import KVPool, PagedBatch
 from engine.model import Qwen3MoeModel
 from engine.output import OutputAssembler
 from engine.sampling import GREEDY_BELOW, sample
-from engine.token_healing import Forcing, token_healer
+from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
 from engine.tokenizer import Tokenizer
 
@@ -301,8 +301,7 @@ class Engine:
         if not req.warm_only:  # built before any block is taken, so a bad seed leaks nothing
             a.output = OutputAssembler(self.tokenizer, budget, req.stop, req.stop_at_eos,
                                        skip_text=req.forced_text)
-            if req.forced_text:
-                a.forcing = Forcing(token_healer(self.tokenizer), req.forced_text)
+            a.forcing = forcing_for(self.tokenizer, req.forced_text)
             if req.seed is not None:
                 a.generator = torch.Generator(device=self.model.device).manual_seed(req.seed)
         # Keep at least the last prompt token to compute: its logits give the first new token.
@@ -403,7 +402,7 @@ class Engine:
         if first:
             a.first_token = time.monotonic()
             a.first_logits = raw_logits.clone() if req.return_logits else None  # graph outputs are reused
-        if a.forcing is not None:
+        if a.forcing is not None and a.forcing.active:
             a.forcing.advance(token)
         delta = a.output.push(token)
         a.tokens.append(token)

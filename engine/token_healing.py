@@ -59,6 +59,9 @@ class TokenHealer:
             if b:
                 self._by_first_byte.setdefault(b[0], []).append((i, b))
         self._allowed_cache: dict[bytes, torch.Tensor] = {}
+        # The last split ("" splits into nothing): a caller builds the prompt and then asks for
+        # the forced text of the same prefix, which must not tokenize it twice.
+        self._last_split: tuple[str, list[int], str] = ("", [], "")
 
     def split(self, prefix: str) -> tuple[list[int], str]:
         """The prompt's prefix ids and the text the model must write first:
@@ -69,6 +72,14 @@ class TokenHealer:
           ends where a middle that starts a line begins in training;
         - else the prefix less its last token, and that token's text;
         - all the ids and "" for a special token or part of a character."""
+        last_prefix, ids, forced = self._last_split  # one tuple: safe across prompt-building threads
+        if prefix == last_prefix:
+            return list(ids), forced
+        ids, forced = self._split(prefix)
+        self._last_split = (prefix, ids, forced)
+        return list(ids), forced
+
+    def _split(self, prefix: str) -> tuple[list[int], str]:
         ids_of = self.tokenizer.encode
         line = prefix[prefix.rfind("\n") + 1:]
         if not self.supported or not line:
@@ -105,6 +116,11 @@ def token_healer(tokenizer) -> TokenHealer:
         healer = TokenHealer(tokenizer)
         tokenizer._token_healer = healer
     return healer
+
+
+def forcing_for(tokenizer, text: str) -> "Forcing | None":
+    """A request's constraint, or None when it has no text to write again."""
+    return Forcing(token_healer(tokenizer), text) if text else None
 
 
 class Forcing:

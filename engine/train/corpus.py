@@ -141,6 +141,12 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def read_package_names(path: Path) -> set[str]:
+    """A list of package names, one a line ('#' starts a comment line), PEP 503-normalized."""
+    return {normalize(line.strip()) for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+
+
 def keep_text(raw: bytes) -> str | None:
     """Return the file's text if it looks like hand-written source, else None."""
     if not MIN_BYTES <= len(raw) <= MAX_BYTES or b"\0" in raw:
@@ -246,8 +252,7 @@ def build(out_dir: Path, npm_root: Path, *, heldout_from: Path | None = None, np
         if path.suffix == ".json":
             other_parts |= {(r["kind"], normalize(r["name"])) for r in json.loads(path.read_text())["sources"]}
         else:
-            other_parts |= {("pypi", normalize(line.strip())) for line in path.read_text().splitlines()
-                            if line.strip() and not line.startswith("#")}
+            other_parts |= {("pypi", name) for name in read_package_names(path)}
     skipped = {normalize(name) for name in skip}
     unknown = skipped - {normalize(s.name) for s in sources} - {normalize(r["name"]) for r in rejected}
     if unknown:

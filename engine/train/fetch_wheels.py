@@ -17,13 +17,14 @@ under the other's licence). The corpus part they make:
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .corpus import normalize
 
 
 def read_list(path: Path) -> list[str]:
@@ -43,12 +44,12 @@ def download(requirement: str, dest: Path) -> str | None:
 def wheel_key(filename: str) -> str:
     """'Django-5.2.19-py3-none-any.whl' -> 'django==5.2.19' (the wheel file name's escaped form)."""
     name, version = filename.split("-")[:2]
-    return f"{re.sub(r'[-_.]+', '-', name).lower()}=={version}"
+    return f"{normalize(name)}=={version}"
 
 
 def requirement_key(requirement: str) -> str:
     name, _, version = requirement.partition("==")
-    return f"{re.sub(r'[-_.]+', '-', name.strip()).lower()}=={version.strip()}"
+    return f"{normalize(name.strip())}=={version.strip()}"
 
 
 def unpack(wheel: Path, site: Path) -> int:

@@ -32,7 +32,7 @@ import random
 import tarfile
 from pathlib import Path
 
-from .corpus import normalize
+from .corpus import normalize, read_package_names
 
 GPU_MACHINE_PACKAGES = Path(__file__).parent / "data" / "gpu_machine_packages.txt"
 
@@ -43,8 +43,7 @@ def subset_lines(lines: list[str], fraction: float, seed: int) -> list[str]:
 
 
 def read_package_list(path: Path = GPU_MACHINE_PACKAGES) -> set[str]:
-    return {normalize(line.strip()) for line in path.read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
+    return read_package_names(path)
 
 
 def built_there(doc_id: str, packages: set[str]) -> bool:
