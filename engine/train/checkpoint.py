@@ -1,5 +1,5 @@
 """Checkpoints small enough to come back from the GPU machine: bf16 weights in shards of at most
-~12 MB (safetensors, HF parameter names), plus `state.json` (step, tokens seen, run history).
+~16 MB (safetensors, HF parameter names), plus `state.json` (step, tokens seen, run history).
 
 Adam moments are not saved (fp32 moments would be ~180 MB): a resumed run restarts the optimizer
 with a short warm-up, which costs a few dozen steps, not quality.
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-SHARD_BYTES = 12_000_000
+SHARD_BYTES = 16_000_000
 
 
 def save(model: torch.nn.Module, state: dict, out: Path) -> None:

@@ -11,7 +11,7 @@
 #   watch SECONDS                        print progress for that long, copy the latest checkpoint out
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
 #
-# Everything that must come back is copied under $OUT (checkpoint shards are <= 12 MB each).
+# Everything that must come back is copied under $OUT (checkpoint shards are <= 16 MB each).
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
 STAGE=${STAGE_DIR:-/tmp/wd-stage}  # outside the checkout, which each call replaces

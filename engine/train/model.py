@@ -11,6 +11,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.fp8 import fake_quantize
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) that can train through FP8 rounding: with `fp8_block` set, the forward
+    pass sees the weight as the shipped FP8 checkpoint will hold it (quantization-aware training),
+    while the optimizer keeps updating the full-precision weight."""
+
+    fp8_block: int | None = None
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.weight if self.fp8_block is None else fake_quantize(self.weight, self.fp8_block)
+
+    def forward(self, x):
+        return F.linear(x, self.effective_weight())
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -44,10 +63,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         h = c["hidden_size"]
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * self.head_dim)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h)
         self.q_norm = RMSNorm(self.head_dim, c["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, c["rms_norm_eps"])
 
@@ -68,9 +87,9 @@ class Attention(nn.Module):
 class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter)
+        self.up_proj = Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -124,9 +143,9 @@ class SparseMoe(nn.Module):
 
     def _dense(self, x, top_w, top_i):
         n, inter = x.shape[0], self.experts[0].gate_proj.weight.shape[0]
-        gate_w = torch.cat([e.gate_proj.weight for e in self.experts])     # [E*I, H]
-        up_w = torch.cat([e.up_proj.weight for e in self.experts])         # [E*I, H]
-        down_w = torch.cat([e.down_proj.weight for e in self.experts], 1)  # [H, E*I]
+        gate_w = torch.cat([e.gate_proj.effective_weight() for e in self.experts])     # [E*I, H]
+        up_w = torch.cat([e.up_proj.effective_weight() for e in self.experts])         # [E*I, H]
+        down_w = torch.cat([e.down_proj.effective_weight() for e in self.experts], 1)  # [H, E*I]
         # [N, E] routing weights, 0 for the experts a token is not routed to.
         weights = torch.zeros(n, self.n_experts, device=x.device, dtype=top_w.dtype).scatter(1, top_i, top_w)
         h = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)
@@ -173,6 +192,13 @@ class Qwen3MoeLM(nn.Module):
             s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def set_fp8_training(self, block: int | None) -> None:
+        """Train the projections (attention and experts; not the router, embedding or norms) through
+        FP8 rounding with this block size, as the FP8 export will ship them; None turns it off."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.fp8_block = block
 
     def forward(self, ids: torch.Tensor):
         """ids [B, T] -> (logits [B, T, V], mean router balance loss)."""

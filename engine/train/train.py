@@ -23,6 +23,7 @@ from . import checkpoint
 from .config import load_config
 from .data import PackedStream, chunk_doc, heldout_rows, load_tokenizer, read_docs
 from .model import Qwen3MoeLM
+from .grow import expert_width, widen_experts
 
 
 def parse_args(argv=None):
@@ -32,6 +33,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--resume", type=Path, help="a checkpoint folder written by an earlier run, or an exported "
                     "model folder (model.safetensors + training_state.json)")
+    ap.add_argument("--widen-experts", type=int, help="grow the resumed model's experts to this intermediate "
+                    "size, keeping its function (engine/train/grow.py)")
+    ap.add_argument("--fp8-block", type=int, help="train through FP8 rounding of the projections with this block "
+                    "size, as `export --fp8-block` will ship them (quantization-aware training)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -111,10 +116,22 @@ def main(argv=None) -> None:
     tok_path = args.model_dir / "tokenizer.json"
     args.out.mkdir(parents=True, exist_ok=True)
 
-    model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
+    run = {}
+    weights = checkpoint.load_weights(args.resume) if args.resume else None
+    if weights and args.widen_experts and expert_width(weights) < args.widen_experts:
+        old = expert_width(weights)
+        weights = widen_experts(weights, args.widen_experts, std=config["initializer_range"], seed=args.seed)
+        run["widened_experts"] = [old, args.widen_experts]
+        print(f"experts widened {old} -> {args.widen_experts}", flush=True)
+    if args.widen_experts:
+        config = {**config, "moe_intermediate_size": args.widen_experts}
+    model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
+    if args.fp8_block:
+        model.set_fp8_training(args.fp8_block)
+        run["fp8_block"] = args.fp8_block
     if args.resume:
-        model.load_state_dict({k: v.float() for k, v in checkpoint.load_weights(args.resume).items()})
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
         state = checkpoint.load_state(args.resume)
         prev_log = checkpoint.previous_log(args.resume)
         if prev_log:
@@ -146,7 +163,7 @@ def main(argv=None) -> None:
     autocast = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
     accum = args.batch_rows // args.micro_rows
     log_f = open(args.out / "log.jsonl", "a")
-    run = {"start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len,
+    run = {**run, "start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len,
            "train_files": [f.name for f in files], "peak_lr": args.lr}
 
     def log(record: dict) -> None:

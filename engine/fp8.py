@@ -1,0 +1,65 @@
+"""Block-scaled FP8 weights, in the checkpoint format of Qwen's and DeepSeek's FP8 releases.
+
+A quantized weight W [out, in] is stored as `weight` (float8_e4m3fn) plus `weight_scale_inv`
+(fp32, one per block of `block` rows x `block` columns, the last blocks ragged), and
+W = weight * scale_inv broadcast over its block. `config.json` names the format:
+`"quantization_config": {"quant_method": "fp8", "weight_block_size": [B, B], ...}`.
+
+Our quantizer picks power-of-two scales: then every dequantized value (a 4-bit significand times
+a power of two) is exact in bf16, so this project's engine, transformers and the training-time
+fake quantization all see bit-identical weights, in any float dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
+    """[out, in] -> zero-padded [out/B, B, in/B, B] view, and the pads."""
+    out_f, in_f = w.shape
+    pad_o, pad_i = -out_f % block, -in_f % block
+    padded = torch.nn.functional.pad(w, (0, pad_i, 0, pad_o))
+    return padded.view((out_f + pad_o) // block, block, (in_f + pad_i) // block, block), pad_o, pad_i
+
+
+def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Power-of-two scale per block, the smallest with |w| / scale <= FP8_MAX: [ceil(out/B), ceil(in/B)]."""
+    blocks, _, _ = _blocks(w.detach().float(), block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+
+
+def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (fp8 weight [out, in], fp32 scale_inv [ceil(out/B), ceil(in/B)])."""
+    scales = block_scales(w, block)
+    blocks, _, _ = _blocks(w.float(), block)
+    q = (blocks / scales[:, None, :, None]).to(FP8)
+    out_f, in_f = w.shape
+    return q.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].contiguous(), scales
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize`; the block size follows from the two shapes (ceil-divided grid)."""
+    out_f, in_f = q.shape
+    rows, cols = scale_inv.shape
+    block_o, block_i = math.ceil(out_f / rows), math.ceil(in_f / cols)
+    if math.ceil(out_f / block_o) != rows or math.ceil(in_f / block_i) != cols:
+        raise ValueError(f"fp8 weight {tuple(q.shape)} does not match its scale grid {tuple(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(block_o, 0)[:out_f].repeat_interleave(block_i, 1)[:, :in_f]
+    return (q.float() * scale).to(dtype)
+
+
+def fake_quantize(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Training: W rounded through FP8 in the forward pass, gradients straight through to W."""
+    scales = block_scales(w, block)
+    blocks, _, _ = _blocks(w.float(), block)
+    rounded = (blocks / scales[:, None, :, None]).to(FP8).float() * scales[:, None, :, None]
+    out_f, in_f = w.shape
+    rounded = rounded.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].to(w.dtype)
+    return w + (rounded - w).detach()
