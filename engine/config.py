@@ -59,6 +59,12 @@ class ModelConfig:
             if key not in cfg:
                 raise ModelFormatError(f"config.json lacks {key!r}")
         heads = cfg["num_attention_heads"]
+        quant = cfg.get("quantization_config")
+        if quant and quant.get("quant_method") != "fp8":
+            # Block-scaled FP8 weights are dequantized at load; other schemes need their own kernels.
+            raise ModelFormatError(
+                f"unsupported quantization {quant.get('quant_method')!r}; only block-scaled fp8 checkpoints load"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelFormatError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is implemented")
         return cls(

@@ -2,7 +2,7 @@
 
 A quantized weight W [out, in] is stored as `weight` (float8_e4m3fn) plus `weight_scale_inv`
 (fp32, one per block of `block` rows x `block` columns, the last blocks ragged), and
-W = weight * scale_inv broadcast over its block. `config.json` names the format:
+W = weight * scale_inv broadcast over its block. `config.json` names the format and the block:
 `"quantization_config": {"quant_method": "fp8", "weight_block_size": [B, B], ...}`.
 
 Our quantizer picks power-of-two scales: then every dequantized value (a 4-bit significand times
@@ -44,15 +44,31 @@ def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].contiguous(), scales
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize`; the block size follows from the two shapes (ceil-divided grid)."""
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize`. `block` is the config's `weight_block_size` (rows, columns): the
+    grid alone cannot tell it when the last blocks are ragged."""
     out_f, in_f = q.shape
-    rows, cols = scale_inv.shape
-    block_o, block_i = math.ceil(out_f / rows), math.ceil(in_f / cols)
-    if math.ceil(out_f / block_o) != rows or math.ceil(in_f / block_i) != cols:
-        raise ValueError(f"fp8 weight {tuple(q.shape)} does not match its scale grid {tuple(scale_inv.shape)}")
+    block_o, block_i = block
+    grid = (math.ceil(out_f / block_o), math.ceil(in_f / block_i))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"fp8 weight {tuple(q.shape)} in blocks of {block_o}x{block_i} needs a scale grid "
+                         f"{grid}, got {tuple(scale_inv.shape)}")
     scale = scale_inv.float().repeat_interleave(block_o, 0)[:out_f].repeat_interleave(block_i, 1)[:, :in_f]
     return (q.float() * scale).to(dtype)
+
+
+def block_size(config: dict) -> tuple[int, int] | None:
+    """(rows, columns) of an fp8 checkpoint's blocks from its config.json, None if not fp8."""
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return None
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(type(n) is int and n > 0 for n in block)):
+        raise ValueError(f"fp8 quantization_config needs weight_block_size [rows, cols], got {block!r}")
+    rows, cols = block
+    return rows, cols
 
 
 def fake_quantize(w: torch.Tensor, block: int) -> torch.Tensor:

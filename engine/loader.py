@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, ModelFormatError
+from engine.fp8 import block_size
 from engine.model import LayerWeights, Qwen3MoeModel
 from engine.weights import CheckpointReader
 
@@ -42,7 +43,7 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, fp8_block(config))
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return reader.get(name, shape, dtype).to(device)
@@ -88,6 +89,13 @@ def load_model(
     # Tied: the output projection is the embedding matrix itself (HF ignores any saved lm_head).
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
     return Qwen3MoeModel(config, embed, layers, final_norm, lm_head)
+
+
+def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
+    try:
+        return block_size(config.raw)
+    except ValueError as exc:
+        raise ModelFormatError(str(exc)) from exc
 
 
 def _load_experts(get, reader: CheckpointReader, prefix: str, config: ModelConfig, experts: range | None = None):

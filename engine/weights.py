@@ -9,16 +9,21 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelFormatError
+from engine.fp8 import FP8, SCALE_SUFFIX, dequantize
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
 class CheckpointReader:
-    """Name -> tensor over all shards; errors name the missing or mis-shaped tensor."""
+    """Name -> tensor over all shards; errors name the missing or mis-shaped tensor.
 
-    def __init__(self, model_dir: str | Path):
+    A weight stored as block-scaled FP8 (`X.weight` in float8_e4m3fn next to its
+    `X.weight_scale_inv`, as in Qwen's FP8 releases) comes back dequantized to the asked dtype."""
+
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
         self.model_dir = Path(model_dir)
+        self.fp8_block = fp8_block  # the config's weight_block_size, for fp8 checkpoints
         self._file_of: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
         index = self.model_dir / INDEX_FILE
@@ -55,4 +60,17 @@ class CheckpointReader:
             raise ModelFormatError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
             )
+        scale_name = name + SCALE_SUFFIX
+        if scale_name in self._file_of:
+            if tensor.dtype != FP8 or tensor.ndim != 2:
+                raise ModelFormatError(f"tensor {name!r} has a {scale_name!r} but is {tensor.dtype}, not a 2-D fp8 matrix")
+            if self.fp8_block is None:
+                raise ModelFormatError(f"tensor {name!r} is fp8 but config.json has no fp8 quantization_config")
+            scale = self._open(self._file_of[scale_name]).get_tensor(scale_name)
+            try:
+                return dequantize(tensor, scale, self.fp8_block, dtype)
+            except ValueError as exc:
+                raise ModelFormatError(f"tensor {name!r}: {exc}") from exc
+        if tensor.dtype == FP8:
+            raise ModelFormatError(f"fp8 tensor {name!r} has no {scale_name!r}")
         return tensor.to(dtype)

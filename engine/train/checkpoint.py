@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.fp8 import SCALE_SUFFIX, block_size, dequantize
+
 SHARD_BYTES = 16_000_000
 
 
@@ -23,7 +25,8 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     shards, cur, size = [], {}, 0
-    for name, t in model.state_dict().items():
+    weights = model.shipped_state_dict() if hasattr(model, "shipped_state_dict") else model.state_dict()
+    for name, t in weights.items():
         t = t.detach().to("cpu", torch.bfloat16).contiguous()
         if size + t.numel() * 2 > SHARD_BYTES and cur:
             shards.append(cur)
@@ -43,10 +46,17 @@ EXPORTED_WEIGHTS, EXPORTED_STATE, EXPORTED_LOG = "model.safetensors", "training_
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """HF-named weights; an FP8 export comes back dequantized (exactly, in bf16)."""
     shards = sorted(Path(ckpt).glob("model-*.safetensors")) or [Path(ckpt) / EXPORTED_WEIGHTS]
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         weights.update(load_file(str(shard)))
+    scales = [k for k in weights if k.endswith(SCALE_SUFFIX)]
+    if scales:
+        block = block_size(json.loads((Path(ckpt) / "config.json").read_text()))
+        for key in scales:
+            name = key.removesuffix(SCALE_SUFFIX)
+            weights[name] = dequantize(weights[name], weights.pop(key), block, torch.bfloat16)
     return weights
 
 

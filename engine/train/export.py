@@ -1,9 +1,10 @@
 """Turn a training checkpoint into the shipped Hugging Face model folder.
 
-    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny
+    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny [--fp8-block 64]
 
-Writes one `model.safetensors` (bf16, standard per-expert HF keys, tied lm_head omitted as
-transformers does), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
+Writes one `model.safetensors` (standard per-expert HF keys, tied lm_head omitted as transformers
+does; bf16, or with --fp8-block the attention and expert projections as block-scaled FP8 in the
+format of Qwen's FP8 releases, which the engine and transformers both read), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
 `state.json` and `loss.png` next to it as `training_log.jsonl` / `training_state.json` / `loss.png`.
 """
 from __future__ import annotations
@@ -14,13 +15,39 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from engine.fp8 import SCALE_SUFFIX, quantize
+
 from . import checkpoint
 from .config import CONFIG, write_configs
 
 
-def export(ckpt: Path, model_dir: Path) -> Path:
+def fp8_weights(weights: dict, block: int) -> dict:
+    """The projections (q/k/v/o, experts' gate/up/down) as FP8 + scales; embedding, router and
+    norms stay bf16 (they are small, and the router's choices are brittle)."""
+    out = {}
+    for name, t in weights.items():
+        if t.ndim == 2 and name.endswith("_proj.weight"):
+            out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
+        else:
+            out[name] = t
+    return out
+
+
+def fp8_quantization_config(config: dict, block: int) -> dict:
+    # Modules left in bf16 are named, as Qwen's FP8 configs do, so a loader that would swap in
+    # FP8 layers (transformers on a GPU) leaves them alone.
+    keep = ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+            "modules_to_not_convert": keep}
+
+
+def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
-    write_configs(model_dir, CONFIG)
+    config = dict(CONFIG)
+    if fp8_block:
+        weights = fp8_weights(weights, fp8_block)
+        config["quantization_config"] = fp8_quantization_config(config, fp8_block)
+    write_configs(model_dir, config)
     path = model_dir / "model.safetensors"
     save_file(weights, str(path), metadata={"format": "pt"})
     run_dir = Path(ckpt).parent
@@ -35,8 +62,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--fp8-block", type=int, help="ship the projections as FP8 with this block size (as trained "
+                    "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it")
     args = ap.parse_args(argv)
-    path = export(args.ckpt, args.model_dir)
+    path = export(args.ckpt, args.model_dir, args.fp8_block)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
