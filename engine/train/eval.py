@@ -149,9 +149,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, help="also write the result here")
     ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
-    result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
-                 args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal)
+    with torch.no_grad():  # scoped: tests call main() in-process, next to training
+        result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
+                     args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
