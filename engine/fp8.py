@@ -18,6 +18,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
+MIN_SCALE_EXP = -100.0  # 2**-100: far below any weight's scale, far above fp32's subnormals
 
 
 def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
@@ -31,8 +32,9 @@ def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
 def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
     """Power-of-two scale per block, the smallest with |w| / scale <= FP8_MAX: [ceil(out/B), ceil(in/B)]."""
     blocks, _, _ = _blocks(w.detach().float(), block)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    amax = blocks.abs().amax(dim=(1, 3))
+    # An all-zero block would get a subnormal scale, which GPUs flush to 0 (0/0 = NaN): keep it normal.
+    return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)).clamp(min=MIN_SCALE_EXP))
 
 
 def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

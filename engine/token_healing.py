@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+INDENT_BYTES = (b" ", b"\t")
+
 
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -58,7 +60,8 @@ class TokenHealer:
         for i, b in enumerate(self.token_bytes):
             if b:
                 self._by_first_byte.setdefault(b[0], []).append((i, b))
-        self._allowed_cache: dict[bytes, torch.Tensor] = {}
+        self._allowed_cache: dict[tuple[bytes, bool], torch.Tensor] = {}
+        self._indent_starting: torch.Tensor | None = None
         # The last split ("" splits into nothing): a caller builds the prompt and then asks for
         # the forced text of the same prefix, which must not tokenize it twice.
         self._last_split: tuple[str, list[int], str] = ("", [], "")
@@ -96,17 +99,29 @@ class TokenHealer:
             return ids, ""
         return ids[:-1], text
 
-    def allowed(self, remaining: bytes) -> torch.Tensor:
+    def allowed(self, remaining: bytes, deeper: bool = True) -> torch.Tensor:
         """Ids of the tokens that can come next while `remaining` must still be written: those
-        that are a start of it, or that start with all of it."""
-        cached = self._allowed_cache.get(remaining)
+        that are a start of it, or that start with all of it (with `deeper` False, not followed
+        by more indentation)."""
+        key = (remaining, deeper)
+        cached = self._allowed_cache.get(key)
         if cached is None:
+            n = len(remaining)
             cached = torch.tensor([i for i, b in self._by_first_byte.get(remaining[0], [])
-                                   if b.startswith(remaining) or remaining.startswith(b)], dtype=torch.long)
+                                   if remaining.startswith(b)
+                                   or (b.startswith(remaining) and (deeper or b[n:n + 1] not in INDENT_BYTES))],
+                                  dtype=torch.long)
             if len(self._allowed_cache) > 4096:
                 self._allowed_cache.clear()
-            self._allowed_cache[remaining] = cached
+            self._allowed_cache[key] = cached
         return cached
+
+    def indent_starting(self) -> torch.Tensor:
+        """Ids of the tokens that start with a space or a tab."""
+        if self._indent_starting is None:
+            self._indent_starting = torch.tensor(
+                [i for first in INDENT_BYTES for i, _ in self._by_first_byte.get(first[0], [])], dtype=torch.long)
+        return self._indent_starting
 
 
 def token_healer(tokenizer) -> TokenHealer:
@@ -124,20 +139,27 @@ def forcing_for(tokenizer, text: str) -> "Forcing | None":
 
 
 class Forcing:
-    """One request's constraint: the text its first tokens must write."""
+    """One request's constraint: the text its first tokens must write. When that text is the
+    cursor line's indentation, the completion also may not indent deeper than the user's cursor
+    (a longer whitespace token, or whitespace right after it): the editor put the cursor there."""
 
     def __init__(self, healer: TokenHealer, text: str):
         self.healer = healer
         # A vocabulary that cannot write every text forces nothing (split never heals with it).
         self.remaining = text.encode() if healer.supported else b""
+        self.indentation = bool(self.remaining) and not self.remaining.strip(b" \t")
 
     @property
     def active(self) -> bool:
-        return bool(self.remaining)
+        return bool(self.remaining) or self.indentation
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits (last dim = vocabulary) with every token that would break the text at -inf."""
-        allowed = self.healer.allowed(self.remaining).to(logits.device)
+        if not self.remaining:  # the indentation is written: the next token may not add to it
+            masked = logits.clone()
+            masked[..., self.healer.indent_starting().to(logits.device)] = float("-inf")
+            return masked
+        allowed = self.healer.allowed(self.remaining, deeper=not self.indentation).to(logits.device)
         masked = torch.full_like(logits, float("-inf"))
         masked[..., allowed] = logits[..., allowed]
         return masked
@@ -145,4 +167,10 @@ class Forcing:
     def advance(self, token_id: int) -> None:
         pieces = self.healer.token_bytes
         piece = (pieces[token_id] if token_id < len(pieces) else None) or b""
-        self.remaining = self.remaining[len(piece):] if self.remaining.startswith(piece) else b""
+        if not self.remaining:
+            self.indentation = False  # the token after the indentation is written: done
+            return
+        if piece and self.remaining.startswith(piece):
+            self.remaining = self.remaining[len(piece):]  # all of the indentation: one more step
+        else:  # the token went on past the text (the mask let no whitespace through)
+            self.remaining, self.indentation = b"", False

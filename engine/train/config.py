@@ -7,10 +7,10 @@ from pathlib import Path
 
 MODEL_NAME = "wd-coder-tiny"
 
-# Sized for the 48 MB package budget (about 31M params: the projections ship as FP8, the tied
-# embedding in bf16) and for a 2-core CPU: about 8M active params per token besides the embedding,
-# so a single-line suggestion decodes in tens of ms. Experts were 256 wide up to run 5 and were
-# widened to 384 in place (engine/train/grow.py).
+# Sized for the 48 MB package budget (about 23M params in bf16, embeddings tied) and for a 2-core
+# CPU: about 6M active params per token, so a single-line suggestion decodes in tens of ms.
+# `train --widen-experts` grows the experts of a trained model (engine/train/grow.py); export
+# writes the width its checkpoint has, and FP8 export (`--fp8-block`) halves the projections' bytes.
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -29,7 +29,7 @@ CONFIG = {
     "max_position_embeddings": 4096,
     "num_experts": 8,
     "num_experts_per_tok": 2,
-    "moe_intermediate_size": 384,
+    "moe_intermediate_size": 256,
     "intermediate_size": 1024,  # dense MLP size; unused because every layer is MoE
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],

@@ -63,9 +63,35 @@ def test_forcing_only_lets_through_tokens_that_write_the_text(shipped):
         assert not forcing.active and written.startswith(text.encode())
         # The constraint keeps the best allowed token: with one allowed token boosted, it wins.
         forcing, logits = Forcing(healer, text), torch.randn(tok.vocab_size, generator=gen)
-        allowed = healer.allowed(text.encode())
+        allowed = healer.allowed(text.encode(), deeper=bool(text.strip(" \t")))
         best = int(allowed[logits[allowed].argmax()])
         assert int(forcing.mask(logits).argmax()) == best
+
+
+def test_healed_indentation_never_grows_deeper(shipped):
+    """The editor put the cursor at this depth: neither a longer whitespace token nor whitespace
+    right after the indentation gets through, and after that token decoding is free again."""
+    _, tok = shipped
+    healer = token_healer(tok)
+    ids_of = {healer.token_bytes[i]: i for i in range(len(healer.token_bytes)) if healer.token_bytes[i]}
+    four, eight = ids_of[b"    "], ids_of[b"        "]
+    forcing = Forcing(healer, "    ")
+    logits = torch.zeros(tok.vocab_size)
+    logits[eight], logits[four] = 10.0, 5.0  # the model would rather indent deeper
+    assert int(forcing.mask(logits).argmax()) == four
+    forcing.advance(four)
+    assert forcing.active and not forcing.remaining  # one more step: no whitespace
+    guarded = forcing.mask(logits)
+    starts_blank = [i for b, i in ids_of.items() if b[:1] in (b" ", b"\t")]
+    assert torch.isinf(guarded[starts_blank]).all() and guarded[ids_of[b"return"]] == 0
+    forcing.advance(ids_of[b"return"])
+    assert not forcing.active
+    # A token that writes the indentation and goes on with code ends it at once.
+    forcing = Forcing(healer, " ")
+    assert forcing.mask(logits)[ids_of[b" return"]] == 0
+    forcing.advance(ids_of[b" return"])
+    assert not forcing.active
+
 
 
 def test_forced_text_is_neither_released_nor_matched_against_stops(shipped):

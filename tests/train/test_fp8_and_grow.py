@@ -561,3 +561,31 @@ def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkey
         got, _ = wide(ids)
     assert want.std() > 0.1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_all_zero_block_gets_a_normal_scale():
+    """Widened experts start with all-zero down_proj blocks: a subnormal scale there is flushed
+    to 0 on a GPU, and 0 / 0 turned a whole training run into NaN."""
+    from engine.fp8 import block_scales, fake_quantize
+
+    w = torch.zeros(128, 128)
+    w[:64, :64] = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)) * 0.02
+    scales = block_scales(w, 64)
+    assert (scales >= torch.finfo(torch.float32).tiny).all()  # normal, so no flush-to-zero
+    rounded = fake_quantize(w, 64)
+    assert torch.isfinite(rounded).all() and (rounded[64:] == 0).all() and (rounded[:, 64:] == 0).all()
+
+
+def test_export_writes_the_expert_width_the_checkpoint_has(tmp_path, monkeypatch):
+    """A widened run's checkpoint exports with its own moe_intermediate_size, not CONFIG's."""
+    from engine.loader import load_model
+    from engine.train import checkpoint, export
+
+    wide = {**EXPORT_TINY, "moe_intermediate_size": EXPORT_TINY["moe_intermediate_size"] * 2}
+    model = _model(wide, seed=11)
+    checkpoint.save(model, {"step": 1, "tokens_seen": 1, "train_seconds": 0.0, "runs": []}, tmp_path / "ckpt")
+    monkeypatch.setattr(export, "CONFIG", EXPORT_TINY)
+    export.export(tmp_path / "ckpt", tmp_path / "model")
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert written["moe_intermediate_size"] == wide["moe_intermediate_size"]
+    assert load_model(tmp_path / "model").layers[0].w_down.shape[-1] == wide["moe_intermediate_size"]
