@@ -158,6 +158,42 @@ def heldout_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: int):
     return rows, token_byte_lengths(tok)[rows[:, 1:]]
 
 
+def heldout_fim_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: int, seed: int = 0,
+                     healed: bool = False):
+    """Single-line SPM examples cut from held-out files as the eval cuts them (fim_tasks), one per
+    padded row, and the mask of the targets that are the middle and its end: the loss there tracks
+    what completions need, which the left-to-right loss can miss. `healed`: the cursor line's
+    indentation moves from the prefix to the middle, as the engine's token healing prompts."""
+    from .fim_tasks import make_task  # the eval's cut: a random non-empty line, indentation in the prefix
+
+    eos, pad = tok.token_to_id(ENDOFTEXT), tok.token_to_id("<|fim_pad|>")
+    pre, mid, suf = (tok.token_to_id(t) for t in (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX))
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+
+    rows, masks = [], []
+    for i, doc in enumerate(docs):
+        task = make_task(str(i), doc, "single", random.Random(f"{seed}:heldout-fim:{i}"))
+        if task is None:
+            continue
+        prefix, middle = task.prefix, task.middle
+        indent = prefix[prefix.rfind("\n") + 1:]
+        if healed and indent and not indent.strip():
+            prefix, middle = prefix[: len(prefix) - len(indent)], indent + middle
+        head = [suf, *enc(task.suffix), pre, *enc(prefix), mid]
+        ids = head + enc(middle) + [eos]
+        if len(ids) > seq_len + 1:
+            continue
+        targets = torch.zeros(seq_len, dtype=torch.bool)
+        targets[len(head) - 1:len(ids) - 1] = True  # predictions of the middle's tokens and of its end
+        rows.append(ids + [pad] * (seq_len + 1 - len(ids)))
+        masks.append(targets)
+        if len(rows) == max_rows:
+            break
+    return torch.tensor(rows, dtype=torch.int64).view(-1, seq_len + 1), torch.stack(masks) if masks else torch.zeros(0, seq_len, dtype=torch.bool)
+
+
 def token_byte_lengths(tok: Tokenizer) -> torch.Tensor:
     """Bytes each id stands for: one ByteLevel character is one byte; special tokens count 0."""
     lengths = torch.zeros(tok.get_vocab_size(), dtype=torch.int64)

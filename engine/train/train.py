@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .config import load_config
-from .data import PackedStream, chunk_doc, heldout_rows, load_tokenizer, read_docs
+from .data import PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
 from .model import Qwen3MoeLM
 from .grow import expert_width, widen_experts
 
@@ -53,6 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every-s", type=float, default=90.0)
     ap.add_argument("--save-every-s", type=float, default=120.0)
     ap.add_argument("--heldout-rows", type=int, default=64)
+    ap.add_argument("--heldout-fim-rows", type=int, default=256, help="single-line SPM examples for the held-out FIM loss")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--moe", choices=["auto", "dense", "sparse"], default="auto",
                     help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; same function)")
@@ -95,7 +96,9 @@ def make_optimizer(model, args):
 
 
 @torch.no_grad()
-def heldout_eval(model, rows, byte_lens, device, autocast) -> dict:
+def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None = None) -> dict:
+    """Left-to-right loss and bits per byte on held-out rows, and per FIM set (name -> rows, mask)
+    the loss on the middles of held-out single-line SPM examples (what a completion predicts)."""
     model.eval()
     nats, tokens = 0.0, 0
     for i in range(0, len(rows), 16):
@@ -104,8 +107,21 @@ def heldout_eval(model, rows, byte_lens, device, autocast) -> dict:
             logits, _ = model(batch[:, :-1])
         nats += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
         tokens += batch[:, 1:].numel()
+    result = {"heldout_loss": nats / tokens, "heldout_bpb": nats / math.log(2) / int(byte_lens.sum())}
+    for name, (fim_rows, fim_mask) in (fim_sets or {}).items():
+        if not len(fim_rows):
+            continue
+        fim_nats, fim_tokens = 0.0, 0
+        for i in range(0, len(fim_rows), 16):
+            batch, mask = fim_rows[i:i + 16].to(device), fim_mask[i:i + 16].to(device)
+            with autocast:
+                logits, _ = model(batch[:, :-1])
+            losses = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+            fim_nats += losses[mask.flatten()].sum().item()
+            fim_tokens += int(mask.sum())
+        result[name] = fim_nats / fim_tokens
     model.train()
-    return {"heldout_loss": nats / tokens, "heldout_bpb": nats / math.log(2) / int(byte_lens.sum())}
+    return result
 
 
 def main(argv=None) -> None:
@@ -149,8 +165,11 @@ def main(argv=None) -> None:
     t_load = time.time()
     files = train_files(args.corpus)
     chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d)]
-    held_rows, held_bytes = heldout_rows(read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path),
-                                         args.seq_len, args.heldout_rows)
+    held_docs, tokenizer = read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path)
+    held_rows, held_bytes = heldout_rows(held_docs, tokenizer, args.seq_len, args.heldout_rows)
+    # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
+    fim_sets = {name: heldout_fim_rows(held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed)
+                for name, healed in (("heldout_fim_loss", False), ("heldout_fim_healed_loss", True))}
     print(f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
     # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
     stream = PackedStream(chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"])
@@ -212,7 +231,7 @@ def main(argv=None) -> None:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
         if time.time() - last_eval > args.eval_every_s:
             rec = {"step": state["step"], "tokens_seen": state["tokens_seen"],
-                   **heldout_eval(model, held_rows, held_bytes, device, autocast)}
+                   **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets)}
             log(rec)
             print("eval", rec, flush=True)
             last_eval = time.time()
@@ -222,7 +241,7 @@ def main(argv=None) -> None:
 
     train_end = time.time()
     final = {"step": state["step"], "tokens_seen": state["tokens_seen"], "final": True,
-             **heldout_eval(model, held_rows, held_bytes, device, autocast)}
+             **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets)}
     log(final)
     print("final", final, flush=True)
     state["final_heldout"] = final

@@ -70,3 +70,26 @@ def test_packer_keeps_fim_examples_whole():
     assert all(len(r) == 10 for r in rows)
     for fim_id, n in ((1, 4), (2, 7), (3, 10)):
         assert sum(fim_id in r for r in rows) == 1 and sum(r.count(fim_id) for r in rows) == n
+
+
+def test_heldout_fim_rows_score_exactly_the_middle_and_its_end():
+    from pathlib import Path
+
+    from engine.train.data import heldout_fim_rows, load_tokenizer
+    from engine.train.fim_tasks import make_task
+
+    tok = load_tokenizer(Path("engine/models/wd-coder-tiny/tokenizer.json"))
+    rng = random.Random(5)
+    docs = ["".join(f"def f{i}_{j}(x):\n    y = x * {rng.randint(2, 99)}\n    return y + {j}\n\n" for j in range(6))
+            for i in range(8)]
+    for healed in (False, True):
+        rows, mask = heldout_fim_rows(docs, tok, 256, 8, healed=healed)
+        assert rows.shape == (8, 257) and mask.shape == (8, 256)
+        for i, (row, m) in enumerate(zip(rows, mask)):
+            task = make_task(str(i), docs[i], "single", random.Random(f"0:heldout-fim:{i}"))
+            indent = task.prefix[task.prefix.rfind("\n") + 1:]
+            middle = (indent if healed else "") + task.middle
+            scored = row[1:][m].tolist()  # the targets the FIM loss counts
+            assert scored[-1] == tok.token_to_id("<|endoftext|>")
+            assert tok.decode(scored[:-1], skip_special_tokens=False) == middle
+            assert row[1:][m.nonzero()[0, 0] - 1] == tok.token_to_id("<|fim_middle|>")  # scored from the middle token on
