@@ -60,6 +60,8 @@ class ModelConfig:
                 raise ModelFormatError(f"config.json lacks {key!r}")
         heads = cfg["num_attention_heads"]
         quant = cfg.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ModelFormatError(f"quantization_config must be an object, got {type(quant).__name__}")
         if quant and quant.get("quant_method") != "fp8":
             # Block-scaled FP8 weights are dequantized at load; other schemes need their own kernels.
             raise ModelFormatError(

@@ -38,9 +38,12 @@ def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (fp8 weight [out, in], fp32 scale_inv [ceil(out/B), ceil(in/B)])."""
+    """W [out, in] -> (fp8 weight [out, in], fp32 scale_inv [ceil(out/B), ceil(in/B)]). Computed
+    from W rounded to bf16, the precision training checkpoints keep: `fake_quantize` does the same,
+    so exporting a bf16 checkpoint reproduces exactly what training saw."""
+    w = w.detach().to(torch.bfloat16).float()
     scales = block_scales(w, block)
-    blocks, _, _ = _blocks(w.float(), block)
+    blocks, _, _ = _blocks(w, block)
     q = (blocks / scales[:, None, :, None]).to(FP8)
     out_f, in_f = w.shape
     return q.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].contiguous(), scales
@@ -56,7 +59,13 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     if tuple(scale_inv.shape) != grid:
         raise ValueError(f"fp8 weight {tuple(q.shape)} in blocks of {block_o}x{block_i} needs a scale grid "
                          f"{grid}, got {tuple(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(block_o, 0)[:out_f].repeat_interleave(block_i, 1)[:, :in_f]
+    scale_inv = scale_inv.float()
+    if not (torch.isfinite(scale_inv).all() and (scale_inv > 0).all()):
+        raise ValueError("fp8 scales must be finite and positive")
+    # Index rather than repeat: a block size far larger than the weight allocates nothing.
+    rows = torch.arange(out_f) // block_o
+    cols = torch.arange(in_f) // block_i
+    scale = scale_inv[rows][:, cols]
     return (q.float() * scale).to(dtype)
 
 
@@ -74,9 +83,11 @@ def block_size(config: dict) -> tuple[int, int] | None:
 
 
 def fake_quantize(w: torch.Tensor, block: int) -> torch.Tensor:
-    """Training: W rounded through FP8 in the forward pass, gradients straight through to W."""
-    scales = block_scales(w, block)
-    blocks, _, _ = _blocks(w.float(), block)
+    """Training: W rounded through FP8 (from its bf16 value, as `quantize`) in the forward pass,
+    gradients straight through to W, which keeps its full precision."""
+    w16 = w.detach().to(torch.bfloat16).float()
+    scales = block_scales(w16, block)
+    blocks, _, _ = _blocks(w16, block)
     rounded = (blocks / scales[:, None, :, None]).to(FP8).float() * scales[:, None, :, None]
     out_f, in_f = w.shape
     rounded = rounded.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].to(w.dtype)

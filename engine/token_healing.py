@@ -19,6 +19,7 @@ import functools
 import torch
 
 INDENT_BYTES = (b" ", b"\t")
+MAX_BACKOFF = 4  # tokens a split may leave out after code
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,7 +74,8 @@ class TokenHealer:
           training; on the held-out single-line tasks this beats backing off one token);
         - the cursor is at the start of a line (or of the file): nothing to heal, the prefix
           ends where a middle that starts a line begins in training;
-        - else the prefix less its last token, and that token's text;
+        - else the prefix less its last token (and the ones before it while they are only
+          whitespace, so whitespace alone is forced only as indentation), and their text;
         - all the ids and "" for a special token or part of a character."""
         last_prefix, ids, forced = self._last_split  # one tuple: safe across prompt-building threads
         if prefix == last_prefix:
@@ -90,14 +92,21 @@ class TokenHealer:
         if not line.strip():
             return ids_of(prefix[: len(prefix) - len(line)]), line
         ids = ids_of(prefix)
-        last = self.token_bytes[ids[-1]] if ids[-1] < len(self.token_bytes) else None
-        try:
-            text = last.decode("utf-8") if last else ""
-        except UnicodeDecodeError:
-            return ids, ""
-        if not text or not prefix.endswith(text):
-            return ids, ""
-        return ids[:-1], text
+        # Back off the last token, or more while they are all whitespace (a space typed after
+        # code): only the indentation case forces whitespace alone, which Forcing relies on.
+        for n in range(1, min(len(ids), MAX_BACKOFF) + 1):
+            pieces = [self.token_bytes[i] if i < len(self.token_bytes) else None for i in ids[-n:]]
+            if any(p is None for p in pieces):  # a special token: nothing to heal
+                return ids, ""
+            try:
+                text = b"".join(pieces).decode("utf-8")
+            except UnicodeDecodeError:
+                return ids, ""
+            if not prefix.endswith(text):
+                return ids, ""
+            if text.strip():
+                return ids[:-n], text
+        return ids, ""
 
     def allowed(self, remaining: bytes, deeper: bool = True) -> torch.Tensor:
         """Ids of the tokens that can come next while `remaining` must still be written: those
@@ -140,8 +149,9 @@ def forcing_for(tokenizer, text: str) -> "Forcing | None":
 
 class Forcing:
     """One request's constraint: the text its first tokens must write. When that text is the
-    cursor line's indentation, the completion also may not indent deeper than the user's cursor
-    (a longer whitespace token, or whitespace right after it): the editor put the cursor there."""
+    cursor line's indentation (whitespace alone: `TokenHealer.split` forces nothing else that is
+    only whitespace), the completion also may not indent deeper than the user's cursor (a longer
+    whitespace token, or whitespace right after it): the editor put the cursor there."""
 
     def __init__(self, healer: TokenHealer, text: str):
         self.healer = healer

@@ -25,8 +25,7 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     shards, cur, size = [], {}, 0
-    weights = model.shipped_state_dict() if hasattr(model, "shipped_state_dict") else model.state_dict()
-    for name, t in weights.items():
+    for name, t in model.state_dict().items():
         t = t.detach().to("cpu", torch.bfloat16).contiguous()
         if size + t.numel() * 2 > SHARD_BYTES and cur:
             shards.append(cur)
@@ -53,7 +52,10 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         weights.update(load_file(str(shard)))
     scales = [k for k in weights if k.endswith(SCALE_SUFFIX)]
     if scales:
-        block = block_size(json.loads((Path(ckpt) / "config.json").read_text()))
+        config = Path(ckpt) / "config.json"
+        block = block_size(json.loads(config.read_text())) if config.exists() else None
+        if block is None:
+            raise ValueError(f"{ckpt} holds fp8 scales but its config.json names no fp8 quantization_config")
         for key in scales:
             name = key.removesuffix(SCALE_SUFFIX)
             weights[name] = dequantize(weights[name], weights.pop(key), block, torch.bfloat16)

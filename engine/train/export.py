@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8-block", type=int, help="ship the projections as FP8 with this block size (as trained "
                     "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it")
     args = ap.parse_args(argv)
+    if args.fp8_block is not None and args.fp8_block <= 0:
+        ap.error("--fp8-block must be a positive number of rows and columns")
     path = export(args.ckpt, args.model_dir, args.fp8_block)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 

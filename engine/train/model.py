@@ -200,16 +200,6 @@ class Qwen3MoeLM(nn.Module):
             if isinstance(m, Linear):
                 m.fp8_block = block
 
-    @torch.no_grad()
-    def shipped_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights as training sees them: under FP8 training the projections already rounded
-        (exact in bf16), so a bf16 checkpoint exports to FP8 with no second rounding."""
-        sd = self.state_dict()
-        for name, m in self.named_modules():
-            if isinstance(m, Linear) and m.fp8_block is not None:
-                sd[name + ".weight"] = fake_quantize(m.weight, m.fp8_block)
-        return sd
-
     def forward(self, ids: torch.Tensor):
         """ids [B, T] -> (logits [B, T, V], mean router balance loss)."""
         t = ids.shape[1]

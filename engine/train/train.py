@@ -135,12 +135,16 @@ def main(argv=None) -> None:
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
     run = {}
     weights = checkpoint.load_weights(args.resume) if args.resume else None
-    if weights and args.widen_experts and expert_width(weights) < args.widen_experts:
-        old = expert_width(weights)
-        weights = widen_experts(weights, args.widen_experts, std=config["initializer_range"], seed=args.seed)
-        run["widened_experts"] = [old, args.widen_experts]
-        print(f"experts widened {old} -> {args.widen_experts}", flush=True)
-    if args.widen_experts:
+    if weights and expert_width(weights):  # a widened run's checkpoint is wider than config.json
+        config = {**config, "moe_intermediate_size": expert_width(weights)}
+    width = config["moe_intermediate_size"]
+    if args.widen_experts and args.widen_experts != width:
+        if args.widen_experts < width:
+            raise SystemExit(f"--widen-experts {args.widen_experts} is narrower than the experts ({width})")
+        if weights:
+            weights = widen_experts(weights, args.widen_experts, std=config["initializer_range"], seed=args.seed)
+            run["widened_experts"] = [width, args.widen_experts]
+            print(f"experts widened {width} -> {args.widen_experts}", flush=True)
         config = {**config, "moe_intermediate_size": args.widen_experts}
     model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     if args.fp8_block:

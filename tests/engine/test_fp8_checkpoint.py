@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, ModelFormatError
-from engine.fp8 import FP8, SCALE_SUFFIX, block_size, quantize
+from engine.fp8 import FP8, SCALE_SUFFIX, block_size, dequantize, quantize
 from engine.loader import load_model
 from engine.weights import CheckpointReader
 
@@ -104,7 +104,6 @@ def test_mismatched_scale_grid_is_named(tmp_path, scale_shape):
         reader.get(NAME, (64, 64), torch.float32)
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}, {"bits": 8}])
 def _fp8_config(block):
     return {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}}
 
@@ -265,3 +264,29 @@ def test_fp8_folder_without_a_quantization_config_is_named(fp8_folder16):
     _set_quantization(fp8_folder16, None)
     with pytest.raises(ModelFormatError, match=r"is fp8 but config.json has no fp8 quantization_config"):
         load_model(fp8_folder16)
+
+
+@pytest.mark.parametrize("quant", ["fp8", ["fp8"], 8])
+def test_a_quantization_config_that_is_not_an_object_is_named(quant):
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 1, "quantization_config": quant}
+    with pytest.raises(ModelFormatError, match="quantization_config"):
+        ModelConfig.from_dict(cfg)
+
+
+def test_a_block_far_larger_than_the_weight_costs_nothing():
+    """The grid is then one block: indexing the scales allocates nothing block-sized."""
+    w = _weights((64, 64))
+    q, s = quantize(w, 64)
+    big = dequantize(q, s, (2**40, 2**40))
+    assert torch.equal(big, dequantize(q, s, (64, 64)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_bad_scale_is_refused(tmp_path, bad):
+    q, s = quantize(_weights((64, 64)), 32)
+    s = s.clone()
+    s[0, 1] = bad
+    reader = _reader(tmp_path, {NAME: q, NAME + SCALE_SUFFIX: s})
+    with pytest.raises(ModelFormatError, match="finite and positive"):
+        reader.get(NAME, (64, 64), torch.float32)

@@ -154,3 +154,25 @@ def test_forced_tokens_do_not_count_against_the_budget(checkpoint_factory):
             expected, stats = complete(model, tok, ids, max_tokens=max_tokens, stop_at_eos=False, forced_text=forced)
             assert text == expected and stats.completion_tokens == max_tokens and stats.forced_tokens >= 1
             assert tok.decode(stats.token_ids).startswith(forced + text)  # released text follows the forced
+
+
+def test_whitespace_alone_is_forced_only_as_indentation(shipped):
+    """A space typed after code backs off into the code, so the depth guard (which keys on
+    whitespace-only forced text) never stops an inline comment after `x = {} `."""
+    _, tok = shipped
+    healer = token_healer(tok)
+    for prefix in ("x = ", "cache: dict[int, bytes] = {} ", "foo(a,  ", "    return "):
+        ids, forced = healer.split(prefix)
+        assert forced.strip() and tok.decode(ids) + forced == prefix
+        forcing = Forcing(healer, forced)
+        while forcing.remaining:  # write exactly the forced text, in one or more tokens
+            token = next(i for i in healer.allowed(forcing.remaining).tolist()
+                         if forcing.remaining.startswith(healer.token_bytes[i]))
+            forcing.advance(token)
+        assert not forcing.active  # no guard step: " # comment" may follow
+    rng = random.Random(1)
+    for _ in range(300):
+        prefix = "".join(rng.choice("ab \n\t(=_.:#") for _ in range(rng.randint(1, 30)))
+        _, forced = healer.split(prefix)
+        if forced and not forced.strip():
+            assert not prefix[prefix.rfind("\n") + 1:].strip()  # the cursor line is only indentation

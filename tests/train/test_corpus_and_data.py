@@ -78,7 +78,7 @@ def test_heldout_fim_rows_score_exactly_the_middle_and_its_end():
     from engine.train.data import heldout_fim_rows, load_tokenizer
     from engine.train.fim_tasks import make_task
 
-    tok = load_tokenizer(Path("engine/models/wd-coder-tiny/tokenizer.json"))
+    tok = load_tokenizer(Path(__file__).resolve().parents[2] / "engine/models/wd-coder-tiny/tokenizer.json")
     rng = random.Random(5)
     docs = ["".join(f"def f{i}_{j}(x):\n    y = x * {rng.randint(2, 99)}\n    return y + {j}\n\n" for j in range(6))
             for i in range(8)]
