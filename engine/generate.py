@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model import Qwen3MoeModel
-from engine.sampling import sample
+from engine.sampling import forbid, sample
 from engine.output import OutputAssembler
 from engine.token_healing import forcing_for
 from engine.tokenizer import Tokenizer
@@ -85,6 +85,7 @@ class GenerationStream:
             self.stats.first_token_s = time.perf_counter() - started
 
     def _sample(self, logits: torch.Tensor) -> int:
+        logits = forbid(logits, self.tokenizer.unsampled_ids)
         if self.forcing is not None and self.forcing.active:
             logits = self.forcing.mask(logits)
         token = int(sample(logits, self.temperature, self.top_p, self.generator))

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
 # Below this a temperature is greedy for all practical purposes, and dividing by it overflows.
 GREEDY_BELOW = 1e-5
+
+
+def forbid(logits: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
+    """logits [..., V] with `token_ids` made impossible to sample (a new tensor)."""
+    if not token_ids:
+        return logits
+    return logits.index_fill(-1, _index(token_ids, logits.device), float("-inf"))
+
+
+@functools.lru_cache(maxsize=16)
+def _index(token_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(token_ids, device=device)  # made once: a copy to the GPU per step would stall
 
 
 def sample(

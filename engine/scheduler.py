@@ -26,7 +26,7 @@ from engine.block_allocator import BlockAllocator, PoolExhausted
 from engine.kv_pool import KVPool, PagedBatch
 from engine.model import Qwen3MoeModel
 from engine.output import OutputAssembler
-from engine.sampling import GREEDY_BELOW, sample
+from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
 from engine.tokenizer import Tokenizer
@@ -393,11 +393,14 @@ class Engine:
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
         raw_logits = logits
+        if greedy_token is not None and int(greedy_token) in self.tokenizer.unsampled_ids:
+            greedy_token = None  # the device's argmax does not know the forbidden ids
         if a.forcing is not None and a.forcing.active:
             logits, greedy_token = a.forcing.mask(logits), None  # the device's argmax is unconstrained
         if greedy_token is not None and req.temperature < GREEDY_BELOW:
             token = int(greedy_token)  # argmax already taken on the device
         else:
+            logits = forbid(logits, self.tokenizer.unsampled_ids)
             token = int(sample(logits[None], req.temperature, req.top_p, a.generator))
         if first:
             a.first_token = time.monotonic()

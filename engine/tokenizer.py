@@ -11,6 +11,12 @@ from engine.config import ModelFormatError
 
 REPLACEMENT_CHAR = "\ufffd"
 
+# Control tokens are never released as completion text. Those that close a middle or a file end
+# the completion as EOS does; those that open a prompt section are never sampled (a small model
+# sometimes announces the middle again and then writes the right line).
+ENDING_TOKENS = ("<|endoftext|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>")
+UNSAMPLED_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>")
+
 
 class Tokenizer:
     def __init__(self, backend: _HFTokenizer, eos_ids: tuple[int, ...] = (), prompt_backend=None):
@@ -22,6 +28,7 @@ class Tokenizer:
         backend.encode_special_tokens = True
         self.backend = backend
         self.eos_ids = eos_ids
+        self.unsampled_ids = self._present(UNSAMPLED_TOKENS)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -33,6 +40,7 @@ class Tokenizer:
         tokenizer = cls(_HFTokenizer.from_file(str(path)), prompt_backend=_HFTokenizer.from_file(str(path)))
         eos = list(extra_eos_ids)
         eos += _eos_from_json(model_dir / "generation_config.json", "eos_token_id")
+        eos += tokenizer._present(ENDING_TOKENS)
         cfg_path = model_dir / "tokenizer_config.json"
         if cfg_path.is_file():
             name = json.loads(cfg_path.read_text()).get("eos_token")
@@ -42,6 +50,9 @@ class Tokenizer:
                 eos.append(tokenizer.token_id(name))
         tokenizer.eos_ids = tuple(dict.fromkeys(eos))  # de-duplicated, order kept
         return tokenizer
+
+    def _present(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(i for i in map(self.backend.token_to_id, names) if i is not None)
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids

@@ -31,8 +31,9 @@ from .shape import StopRules, apply_stop_rules
 log = logging.getLogger(__name__)
 
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"
-# Tokens that end a Qwen-Coder infill when the server does not treat them as end of sequence.
-TEMPLATE_STOPS = ("<|endoftext|>", FILE_SEP, "<|fim_pad|>", "<|im_end|>")
+# Tokens that end a Qwen-Coder infill when the server does not treat them as end of sequence;
+# the FIM markers last (a remote server cannot be told never to sample them, so they end it too).
+TEMPLATE_STOPS = ("<|endoftext|>", FILE_SEP, "<|fim_pad|>", "<|im_end|>", FIM_SUFFIX, FIM_MIDDLE, FIM_PREFIX)
 MAX_SERVER_STOPS = 4  # OpenAI's own limit; the rest are applied here while streaming
 CONNECT_TIMEOUT_S = 5.0
 

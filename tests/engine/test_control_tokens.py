@@ -1,0 +1,77 @@
+"""A completion never writes a control token as text: the ones that close a middle or a file end
+it, the ones that open a prompt section are never sampled, on both generation paths."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.generate import complete
+from engine.loader import load_model
+from engine.scheduler import Engine, Request
+from engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "engine" / "models" / "wd-coder-tiny"
+ENDING = ["<|endoftext|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
+UNSAMPLED = ["<|fim_prefix|>", "<|fim_middle|>"]
+PROMPT = "def add(a, b):\n    return a"
+
+
+class Biased:
+    """The model, with one token's logit raised far above every other."""
+
+    def __init__(self, model, token_id: int):
+        self.model, self.token_id = model, token_id
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, *args, **kwargs):
+        logits = self.model.forward(*args, **kwargs).clone()
+        logits[..., self.token_id] += 1e4
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    path = checkpoint_factory()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def _engine_text(model, tok, ids, max_tokens):
+    engine = Engine(model, tok, num_blocks=32, block_size=8)
+    events = []
+    engine.submit(Request(ids, max_tokens=max_tokens), events.append)
+    engine.run_until_idle()
+    return "".join(e.text for e in events if e.kind == "delta"), events[-1].finish_reason
+
+
+def test_the_default_models_tokenizer_knows_the_roles():
+    tok = Tokenizer.from_dir(DEFAULT_MODEL)
+    assert set(tok.eos_ids) == {tok.token_id(t) for t in ENDING}
+    assert set(tok.unsampled_ids) == {tok.token_id(t) for t in UNSAMPLED}
+
+
+@pytest.mark.parametrize("name", UNSAMPLED)
+def test_a_section_opening_token_is_never_sampled(tiny, name):
+    """With the marker the model's overwhelming favourite, greedy decoding writes exactly what it
+    writes without the bias: the marker is skipped and the next best token taken, every step."""
+    model, tok = tiny
+    ids = tok.encode(PROMPT)
+    plain, _ = complete(model, tok, ids, max_tokens=10, stop_at_eos=False)
+    assert plain  # the comparison is about real text
+    biased = Biased(model, tok.token_id(name))
+    text, stats = complete(biased, tok, ids, max_tokens=10, stop_at_eos=False)
+    assert text == plain and tok.token_id(name) not in stats.token_ids
+    assert _engine_text(biased, tok, ids, 10)[0] == complete(model, tok, ids, max_tokens=10)[0]
+    sampled, _ = complete(biased, tok, ids, max_tokens=10, temperature=1.0, seed=3, stop_at_eos=False)
+    assert name not in sampled
+
+
+@pytest.mark.parametrize("name", ENDING)
+def test_a_closing_token_ends_the_completion(tiny, name):
+    model, tok = tiny
+    biased = Biased(model, tok.token_id(name))
+    text, stats = complete(biased, tok, tok.encode(PROMPT), max_tokens=10)
+    assert (text, stats.finish_reason) == ("", "eos")
+    assert _engine_text(biased, tok, tok.encode(PROMPT), 10) == ("", "eos")
