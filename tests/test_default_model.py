@@ -111,9 +111,14 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
 
     out = tmp_path / "eval.json"
     evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--orders", "spm", "--bpb-tokens", "128",
-                     "--allow-changed", "--json", str(out)] + ([] if HAS_ENGINE else ["--backend", "transformers"]))
+                     "--tasks-per-file", "2", "--allow-changed", "--json", str(out)]
+                    + ([] if HAS_ENGINE else ["--backend", "transformers"]))
     result = json.loads(out.read_text())
-    assert result["files"] == 2
+    assert result["files"] == 2 and result["tasks_per_file"] == 2
     for key in ("single_spm", "multi_spm"):
-        assert 0.0 <= result[key]["exact_match"] <= 1.0 and 0.0 <= result[key]["edit_similarity"] <= 1.0
+        r = result[key]
+        assert r["tasks"] == 4
+        assert 0.0 <= r["exact_match"] <= 1.0 and 0.0 <= r["edit_similarity"] <= 1.0
+        low, high = r["exact_match_ci95"]
+        assert low <= r["exact_match"] <= high and high - low > 0.3  # four tasks say little
     assert 0.0 < result["bits_per_byte"] < 8.0

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
 from .fim_tasks import make_tasks
-from .metrics import edit_similarity, exact_match
+from .metrics import edit_similarity, exact_match, wilson_interval
 
 MAX_NEW = {"single": 24, "multi": 96}
 STOPS = {"single": ["\n"], "multi": []}
@@ -105,19 +105,20 @@ def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
 
 def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
         allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
-        heal: bool = True) -> dict:
+        heal: bool = True, tasks_per_file: int = 1) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
     t0 = time.time()
     backend = EngineBackend(model_dir, heal) if backend_name == "engine" else TransformersBackend(model_dir)
     result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
+              "tasks_per_file": tasks_per_file,
               "token_healing": heal and backend_name == "engine", "load_s": round(time.time() - t0, 3)}
     for kind in kinds:
-        tasks = make_tasks(docs, kind, seed)
+        tasks = make_tasks(docs, kind, seed, tasks_per_file)
         for order in orders:
             t1 = time.time()
-            em = es = 0.0
+            em, es = 0, 0.0
             latencies = []
             for task in tasks:
                 t2 = time.perf_counter()
@@ -126,6 +127,7 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
                 em += exact_match(pred, task.middle)
                 es += edit_similarity(pred, task.middle)
             result[f"{kind}_{order}"] = {"tasks": len(tasks), "exact_match": round(em / len(tasks), 4),
+                                         "exact_match_ci95": [round(x, 4) for x in wilson_interval(em, len(tasks))],
                                          "edit_similarity": round(es / len(tasks), 4),
                                          "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
                                          "seconds": round(time.time() - t1, 1)}
@@ -145,13 +147,18 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", default="single,multi")
     ap.add_argument("--bpb-tokens", type=int, default=1024, help="0 skips bits per byte")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks-per-file", type=int, default=1,
+                    help="FIM tasks cut from each file, at distinct lines (more tasks, a tighter interval)")
     ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
     ap.add_argument("--json", type=Path, help="also write the result here")
     ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
     args = ap.parse_args(argv)
+    if args.tasks_per_file < 1:
+        ap.error("--tasks-per-file must be at least 1")
     with torch.no_grad():  # scoped: tests call main() in-process, next to training
         result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
-                     args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal)
+                     args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
+                     tasks_per_file=args.tasks_per_file)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -33,12 +33,19 @@ def _trim(prefix: str, suffix: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def make_task(doc_id: str, text: str, kind: str, rng: random.Random) -> FimTask | None:
+def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
+              taken: set[int] | None = None) -> FimTask | None:
+    """One task from a random non-empty line of `text`; `taken`: lines already used as a first
+    line (skipped, and the chosen one added)."""
     lines = text.split("\n")
     candidates = [i for i, l in enumerate(lines) if l.strip()]
+    if taken:
+        candidates = [i for i in candidates if i not in taken]
     if not candidates:
         return None
     first = rng.choice(candidates)
+    if taken is not None:
+        taken.add(first)
     n = 1 if kind == "single" else rng.randint(2, 5)
     last = min(len(lines) - 1, first + n - 1)
     while last > first and not lines[last].strip():  # never end a block on blank lines
@@ -50,11 +57,16 @@ def make_task(doc_id: str, text: str, kind: str, rng: random.Random) -> FimTask 
     return FimTask(doc_id, kind, prefix, text[start:end], suffix)
 
 
-def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0) -> list[FimTask]:
+def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1) -> list[FimTask]:
+    """Up to `per_file` tasks from each file, at distinct first lines. The first task of a file is
+    the same whatever `per_file` is, so results with 1 stay comparable with earlier ones."""
     tasks = []
     for doc_id, text in docs:
         rng = random.Random(f"{seed}:{kind}:{doc_id}")  # per file, so subsets give the same tasks
-        task = make_task(doc_id, text, kind, rng)
-        if task:
+        taken: set[int] = set()
+        for k in range(per_file):
+            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken)
+            if task is None:
+                break
             tasks.append(task)
     return tasks

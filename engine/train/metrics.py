@@ -1,5 +1,8 @@
-"""Completion metrics: exact match (trailing whitespace ignored) and edit similarity."""
+"""Completion metrics: exact match (trailing whitespace ignored), edit similarity, and the
+confidence interval of a rate measured on a sample of tasks."""
 from __future__ import annotations
+
+import math
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -28,3 +31,13 @@ def edit_similarity(pred: str, target: str) -> float:
     if not p and not t:
         return 1.0
     return 1.0 - levenshtein(p, t) / max(len(p), len(t))
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a rate seen as hits / n (Wilson score: sound near 0 and with few tasks)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -1,0 +1,49 @@
+"""The eval's task sampling and its confidence interval."""
+
+import random
+
+import pytest
+
+from engine.train.fim_tasks import make_tasks
+from engine.train.metrics import wilson_interval
+
+DOCS = [
+    (f"doc{d}", "".join(f"{'    ' * (i % 3)}value_{d}_{i} = compute({i}, {d})\n" + ("\n" if i % 4 == 0 else "")
+                        for i in range(20 + d)))
+    for d in range(6)
+]
+
+
+@pytest.mark.parametrize("kind", ["single", "multi"])
+def test_more_tasks_per_file_keep_the_first_and_take_distinct_lines(kind):
+    one = make_tasks(DOCS, kind, seed=5)
+    four = make_tasks(DOCS, kind, seed=5, per_file=4)
+    assert len(one) == len(DOCS) and len(four) == 4 * len(DOCS)
+    assert four[::4] == one  # the first task of each file does not depend on per_file
+    for d, (doc_id, text) in enumerate(DOCS):
+        tasks = four[4 * d: 4 * d + 4]
+        assert [t.doc_id for t in tasks] == [doc_id, f"{doc_id}#1", f"{doc_id}#2", f"{doc_id}#3"]
+        starts = {len(t.prefix) for t in tasks}  # short files: nothing trimmed, so this is the position
+        assert len(starts) == 4
+        for t in tasks:
+            assert t.prefix + t.middle + t.suffix == text and t.middle.strip()
+
+
+def test_a_file_gives_at_most_its_non_empty_lines():
+    tasks = make_tasks([("tiny", "a = 1\n\nb = 2\n")], "single", per_file=5)
+    assert sorted(t.middle for t in tasks) == ["a = 1", "b = 2"]
+
+
+def test_wilson_interval_known_values_and_shape():
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 2000)
+        hits = rng.randint(0, n)
+        low, high = wilson_interval(hits, n)
+        assert 0.0 <= low <= hits / n <= high <= 1.0
+        wide = wilson_interval(hits, n)
+        narrow = wilson_interval(4 * hits, 4 * n)
+        assert narrow[1] - narrow[0] < wide[1] - wide[0]
