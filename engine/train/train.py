@@ -98,7 +98,9 @@ def make_optimizer(model, args):
 @torch.no_grad()
 def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None = None) -> dict:
     """Left-to-right loss and bits per byte on held-out rows, and per FIM set (name -> rows, mask)
-    the loss on the middles of held-out single-line SPM examples (what a completion predicts)."""
+    on the middles of held-out single-line SPM examples (what a completion predicts): `NAME_loss`,
+    and `NAME_exact`, the share of examples whose every middle token and end is the argmax, which
+    is greedy decoding's exact match (without healing's constraint) at one forward pass each."""
     model.eval()
     nats, tokens = 0.0, 0
     for i in range(0, len(rows), 16):
@@ -111,7 +113,7 @@ def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None
     for name, (fim_rows, fim_mask) in (fim_sets or {}).items():
         if not len(fim_rows):
             continue
-        fim_nats, fim_tokens = 0.0, 0
+        fim_nats, fim_tokens, exact = 0.0, 0, 0
         for i in range(0, len(fim_rows), 16):
             batch, mask = fim_rows[i:i + 16].to(device), fim_mask[i:i + 16].to(device)
             with autocast:
@@ -119,7 +121,9 @@ def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None
             losses = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
             fim_nats += losses[mask.flatten()].sum().item()
             fim_tokens += int(mask.sum())
-        result[name] = fim_nats / fim_tokens
+            exact += int(((logits.argmax(-1) == batch[:, 1:]) | ~mask).all(dim=1).sum())
+        result[f"{name}_loss"] = fim_nats / fim_tokens
+        result[f"{name}_exact"] = exact / len(fim_rows)
     model.train()
     return result
 
@@ -173,7 +177,7 @@ def main(argv=None) -> None:
     held_rows, held_bytes = heldout_rows(held_docs, tokenizer, args.seq_len, args.heldout_rows)
     # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
     fim_sets = {name: heldout_fim_rows(held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed)
-                for name, healed in (("heldout_fim_loss", False), ("heldout_fim_healed_loss", True))}
+                for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))}
     print(f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
     # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
     stream = PackedStream(chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"])
