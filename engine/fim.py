@@ -35,7 +35,8 @@ def fim_token_ids(tokenizer) -> tuple[int, int, int]:
 
 def build_fim_prompt(tokenizer, prefix: str, suffix: str, order: str = "psm", heal: bool = False) -> list[int]:
     """Token ids of a FIM prompt; the completion is what the model writes next. With `heal`, the
-    end of the prefix is left out (the cursor line's indentation, else its last token; see
+    end of the prefix is left out (the cursor line's indentation, else its last token or trailing
+    whitespace tokens; see
     engine.token_healing): generate with `forced_text=healed_text(tokenizer, prefix)`."""
     if order not in ORDERS:
         raise ValueError(f"unknown FIM order {order!r}; expected one of {ORDERS}")

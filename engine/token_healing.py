@@ -3,7 +3,8 @@
 A prefix cut at the cursor often ends in a token the model rarely saw there: byte-level BPE
 writes an indented line as "\\n   " + " return", but a prefix that stops after the indentation
 ends in "\\n    ", and one that stops mid-word ends in a word fragment. So the prompt leaves out
-the end of the prefix (the cursor line's indentation, else its last token), and decoding is
+the end of the prefix (the cursor line's indentation, else its last token, or its last few while
+they are whitespace alone), and decoding is
 constrained until the model has written that text again (in whatever tokens it prefers); the
 text is then dropped from the output, since the editor already has it.
 

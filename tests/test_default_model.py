@@ -111,7 +111,7 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
 
     out = tmp_path / "eval.json"
     evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--orders", "spm", "--bpb-tokens", "128",
-                     "--tasks-per-file", "2", "--allow-changed", "--json", str(out)]
+                     "--tasks-per-file", "2", "--allow-changed", "--json", str(out), "--details", str(tmp_path / "d.jsonl")]
                     + ([] if HAS_ENGINE else ["--backend", "transformers"]))
     result = json.loads(out.read_text())
     assert result["files"] == 2 and result["tasks_per_file"] == 2
@@ -121,4 +121,8 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
         assert 0.0 <= r["exact_match"] <= 1.0 and 0.0 <= r["edit_similarity"] <= 1.0
         low, high = r["exact_match_ci95"]
         assert low <= r["exact_match"] <= high and high - low > 0.3  # four tasks say little
+    details = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(details) == 8 and len({(d["kind"], d["task"]) for d in details}) == 8
+    single = [d for d in details if d["kind"] == "single"]
+    assert sum(d["exact"] for d in single) / 4 == result["single_spm"]["exact_match"]
     assert 0.0 < result["bits_per_byte"] < 8.0

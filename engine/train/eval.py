@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
 from .fim_tasks import make_tasks
-from .metrics import edit_similarity, exact_match, wilson_interval
+from .metrics import clustered_interval, edit_similarity, exact_match, wilson_interval
 
 MAX_NEW = {"single": 24, "multi": 96}
 STOPS = {"single": ["\n"], "multi": []}
@@ -66,6 +66,11 @@ class TransformersBackend:
         self.model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.tok = load_tokenizer(model_dir / "tokenizer.json")
         self._prompt = fim_prompt_ids
+        # The engine's rule for control tokens (engine/tokenizer.py), so both backends end alike.
+        from engine.tokenizer import ENDING_TOKENS, UNSAMPLED_TOKENS
+
+        present = lambda names: [i for i in map(self.tok.token_to_id, names) if i is not None]  # noqa: E731
+        self.ending, self.unsampled = present(ENDING_TOKENS), present(UNSAMPLED_TOKENS)
         self.eos = self.tok.token_to_id("<|endoftext|>")
 
     def encode(self, text: str) -> list[int]:
@@ -75,9 +80,10 @@ class TransformersBackend:
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
         ids = self._prompt(self.encode, self.tok.token_to_id, prefix, suffix, order)
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
-                                  eos_token_id=self.eos, pad_token_id=self.eos)[0, len(ids):].tolist()
-        if self.eos in out:
-            out = out[:out.index(self.eos)]
+                                  eos_token_id=self.ending, pad_token_id=self.eos,
+                                  suppress_tokens=self.unsampled or None)[0, len(ids):].tolist()
+        ends = [i for i, t in enumerate(out) if t in self.ending]
+        out = out[:ends[0]] if ends else out
         text = self.tok.decode(out, skip_special_tokens=False)
         for stop in STOPS[kind]:
             text = text.split(stop)[0]
@@ -103,9 +109,16 @@ def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
     return nats / math.log(2) / n_bytes
 
 
+def interval(hits: int, n: int, by_file: dict[str, list[int]]) -> tuple[float, float]:
+    """Wilson's interval for one task per file; with several, one that counts their correlation."""
+    if all(tasks == 1 for _, tasks in by_file.values()):
+        return wilson_interval(hits, n)
+    return clustered_interval([h for h, _ in by_file.values()], [t for _, t in by_file.values()])
+
+
 def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
         allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
-        heal: bool = True, tasks_per_file: int = 1) -> dict:
+        heal: bool = True, tasks_per_file: int = 1, details=None) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
@@ -120,14 +133,22 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
             t1 = time.time()
             em, es = 0, 0.0
             latencies = []
+            by_file: dict[str, list[int]] = {}  # file -> [hits, tasks]
             for task in tasks:
                 t2 = time.perf_counter()
                 pred = backend.fim(task.prefix, task.suffix, order, kind)
                 latencies.append(time.perf_counter() - t2)
-                em += exact_match(pred, task.middle)
+                hit = exact_match(pred, task.middle)
+                em += hit
+                per_file = by_file.setdefault(task.file, [0, 0])
+                per_file[0] += hit
+                per_file[1] += 1
                 es += edit_similarity(pred, task.middle)
+                if details is not None:  # per task, so two models can be compared task by task
+                    details.write(json.dumps({"kind": kind, "order": order, "task": task.doc_id, "middle": task.middle,
+                                              "pred": pred, "exact": bool(hit)}) + "\n")
             result[f"{kind}_{order}"] = {"tasks": len(tasks), "exact_match": round(em / len(tasks), 4),
-                                         "exact_match_ci95": [round(x, 4) for x in wilson_interval(em, len(tasks))],
+                                         "exact_match_ci95": [round(x, 4) for x in interval(em, len(tasks), by_file)],
                                          "edit_similarity": round(es / len(tasks), 4),
                                          "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
                                          "seconds": round(time.time() - t1, 1)}
@@ -152,13 +173,19 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
     ap.add_argument("--json", type=Path, help="also write the result here")
     ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
+    ap.add_argument("--details", type=Path, help="write every task's completion and exact match here (JSON lines)")
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
-    with torch.no_grad():  # scoped: tests call main() in-process, next to training
-        result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
-                     args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
-                     tasks_per_file=args.tasks_per_file)
+    details = open(args.details, "w") if args.details else None
+    try:
+        with torch.no_grad():  # scoped: tests call main() in-process, next to training
+            result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
+                         args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
+                         tasks_per_file=args.tasks_per_file, details=details)
+    finally:
+        if details:
+            details.close()
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

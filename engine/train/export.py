@@ -64,7 +64,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--fp8-block", type=int, help="ship the projections as FP8 with this block size (as trained "
-                    "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it")
+                    "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
+                    "Without it, a checkpoint trained with --fp8-block ships its unrounded bf16 weights")
     args = ap.parse_args(argv)
     if args.fp8_block is not None and args.fp8_block <= 0:
         ap.error("--fp8-block must be a positive number of rows and columns")

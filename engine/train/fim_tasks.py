@@ -21,6 +21,7 @@ class FimTask:
     prefix: str
     middle: str
     suffix: str
+    file: str = ""  # the file it was cut from (doc_id names the task), for intervals over files
 
 
 def _trim(prefix: str, suffix: str) -> tuple[str, str]:
@@ -54,7 +55,7 @@ def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
     start += len(lines[first]) - len(lines[first].lstrip(" \t"))
     end = sum(len(l) + 1 for l in lines[:last + 1]) - 1
     prefix, suffix = _trim(text[:start], text[end:])
-    return FimTask(doc_id, kind, prefix, text[start:end], suffix)
+    return FimTask(doc_id, kind, prefix, text[start:end], suffix, doc_id)
 
 
 def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1) -> list[FimTask]:
@@ -68,5 +69,6 @@ def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: 
             task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken)
             if task is None:
                 break
+            task.file = doc_id
             tasks.append(task)
     return tasks

@@ -100,8 +100,9 @@ def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None
     """Left-to-right loss and bits per byte on held-out rows, and per FIM set (name -> rows, mask)
     on the middles of held-out single-line SPM examples (what a completion predicts): `NAME_loss`,
     and `NAME_exact`, the share of examples whose every middle token and end is the argmax, at one
-    forward pass each. That is a lower bound on greedy exact match without healing: greedy also
-    counts a different split of the same text, and a newline instead of <|endoftext|> at the end."""
+    forward pass each. That is greedy exact match without healing, save that greedy also counts a
+    different split of the same text and a newline instead of <|endoftext|> at the end, and the
+    eval stops a single line at 24 new tokens."""
     model.eval()
     nats, tokens = 0.0, 0
     for i in range(0, len(rows), 16):

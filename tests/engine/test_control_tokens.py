@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.generate import complete
+from engine.kv_pool import PagedBatch
 from engine.loader import load_model
 from engine.scheduler import Engine, Request
 from engine.tokenizer import Tokenizer
@@ -38,8 +39,26 @@ def tiny(checkpoint_factory):
     return load_model(path), Tokenizer.from_dir(path)
 
 
-def _engine_text(model, tok, ids, max_tokens):
-    engine = Engine(model, tok, num_blocks=32, block_size=8)
+class GreedyOnDevice:
+    """Stands in for CUDA decode graphs on the CPU: the model's logits, with a greedy id taken
+    "on the device" that is always `token_id` (as an unmasked argmax would be)."""
+
+    max_rows = 32
+
+    def __init__(self, engine, token_id: int):
+        self.engine, self.token_id = engine, token_id
+
+    def run(self, tokens, positions, tables):
+        model = self.engine.model
+        view = PagedBatch(self.engine.pool, tables, model.device)
+        logits = model.forward(torch.tensor([[t] for t in tokens]), torch.tensor([[p] for p in positions]), view)
+        return logits[:, -1], torch.full((len(tokens),), self.token_id)
+
+
+def _engine_text(model, tok, ids, max_tokens, device_greedy: int | None = None):
+    engine = Engine(model, tok, num_blocks=32, block_size=8, cuda_graphs=False)  # graphs would bypass Biased
+    if device_greedy is not None:
+        engine.graphs = GreedyOnDevice(engine, device_greedy)
     events = []
     engine.submit(Request(ids, max_tokens=max_tokens), events.append)
     engine.run_until_idle()
@@ -75,3 +94,14 @@ def test_a_closing_token_ends_the_completion(tiny, name):
     text, stats = complete(biased, tok, tok.encode(PROMPT), max_tokens=10)
     assert (text, stats.finish_reason) == ("", "eos")
     assert _engine_text(biased, tok, tok.encode(PROMPT), 10) == ("", "eos")
+
+
+@pytest.mark.parametrize("name", UNSAMPLED)
+def test_a_device_argmax_of_a_forbidden_token_falls_back_to_the_host(tiny, name):
+    """The decode graphs take the argmax on the device, which knows nothing of forbidden ids: the
+    engine must then choose on the host, and write what it writes without graphs."""
+    model, tok = tiny
+    ids = tok.encode(PROMPT)
+    want = _engine_text(model, tok, ids, 10)
+    assert want[0]
+    assert _engine_text(model, tok, ids, 10, device_greedy=tok.token_id(name)) == want

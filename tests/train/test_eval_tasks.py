@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine.train.fim_tasks import make_tasks
-from engine.train.metrics import wilson_interval
+from engine.train.metrics import clustered_interval, wilson_interval
 
 DOCS = [
     (f"doc{d}", "".join(f"{'    ' * (i % 3)}value_{d}_{i} = compute({i}, {d})\n" + ("\n" if i % 4 == 0 else "")
@@ -47,3 +47,21 @@ def test_wilson_interval_known_values_and_shape():
         wide = wilson_interval(hits, n)
         narrow = wilson_interval(4 * hits, 4 * n)
         assert narrow[1] - narrow[0] < wide[1] - wide[0]
+
+
+def test_clustered_interval_counts_files_not_tasks():
+    # Files that are all hit or all missed: five tasks a file carry one file's worth of evidence.
+    files = 40
+    hits = [5 if i % 4 == 0 else 0 for i in range(files)]
+    low, high = clustered_interval(hits, [5] * files)
+    q = 10 / 40
+    assert (low, high) == pytest.approx(wilson_interval(q * (files - 1), files - 1), abs=1e-9)
+    naive = wilson_interval(sum(hits), 5 * files)
+    assert high - low > 2 * (naive[1] - naive[0])
+    # Independent-looking files: about Wilson on all the tasks, never narrower.
+    rng = random.Random(1)
+    hits = [sum(rng.random() < 0.2 for _ in range(5)) for _ in range(400)]
+    c, w = clustered_interval(hits, [5] * 400), wilson_interval(sum(hits), 2000)
+    assert c[1] - c[0] >= w[1] - w[0] - 1e-12
+    assert c == pytest.approx(w, abs=0.01)
+    assert clustered_interval([0, 0], [3, 2]) == wilson_interval(0, 5)

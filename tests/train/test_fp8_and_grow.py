@@ -572,3 +572,18 @@ def test_export_writes_the_expert_width_the_checkpoint_has(tmp_path, monkeypatch
     written = json.loads((tmp_path / "model" / "config.json").read_text())
     assert written["moe_intermediate_size"] == wide["moe_intermediate_size"]
     assert load_model(tmp_path / "model").layers[0].w_down.shape[-1] == wide["moe_intermediate_size"]
+
+
+def test_training_refuses_to_narrow_the_experts(tmp_path):
+    """A checkpoint's experts (32 wide here) can be widened, never narrowed: a smaller
+    --widen-experts is refused before any data is read."""
+    from checkpoints import build_tokenizer
+
+    from engine.train import train
+
+    tok = build_tokenizer()
+    _, model_dir = _export(tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()})
+    tok.save(str(model_dir / "tokenizer.json"))
+    with pytest.raises(SystemExit, match="--widen-experts 16 is narrower than the experts \\(32\\)"):
+        train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
+                    "--resume", str(model_dir), "--widen-experts", "16", "--device", "cpu", "--workers", "0"])
