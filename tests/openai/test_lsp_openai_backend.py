@@ -203,3 +203,30 @@ async def test_language_server_with_a_bad_key_logs_once_and_answers_empty(lsp, h
         settings={"wdLsp": {"openai": {"apiKey": http_engine.token}}}))
     await inline(lsp, *CURSOR)
     assert (await status(lsp))["engine"] == "ready"
+
+
+@pytest.mark.parametrize("marker", ["<|fim_middle|>", "<|fim_suffix|>", "<|file_sep|>"])
+async def test_a_server_that_writes_fim_markers_as_text_is_cut_there(marker):
+    """Servers that do not end on the FIM markers (they cannot be told never to sample them)
+    stream them as text: template-mode FIM cuts the completion there."""
+    import json
+
+    bodies = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "remote-coder"}]})
+        bodies.append(json.loads(request.content))
+        deltas = ["self.y", " = y", marker, "def other():"]
+        events = "".join(f"data: {json.dumps({'choices': [{'text': d, 'index': 0}]})}\n\n" for d in deltas)
+        return httpx.Response(200, text=events + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+    backend = OpenAIBackend(States(), lambda m: None)
+    backend.configure(merge_settings(Settings(), {"backend": "openai", "maxTokens": 12,
+                                                  "openai": {"baseUrl": "http://remote.invalid/v1", "fim": "template"}},
+                                     warn=pytest.fail))
+    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    answer = await backend.complete(context(), NO_STOPS, key="k")
+    assert answer.text == "self.y = y" and answer.stopped_early
+    assert bodies[0]["prompt"].endswith("<|fim_middle|>") and len(bodies[0]["stop"]) == 4
+    await backend.http.aclose()
