@@ -37,16 +37,25 @@ def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)).clamp(min=MIN_SCALE_EXP))
 
 
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 blocks [out/B, B, in/B, B], scales) of W rounded to bf16 first, the precision training
+    checkpoints keep: export and training round alike, so a bf16 checkpoint loses nothing."""
+    w16 = w.detach().to(torch.bfloat16).float()
+    scales = block_scales(w16, block)
+    blocks, _, _ = _blocks(w16, block)
+    return (blocks / scales[:, None, :, None]).to(FP8), scales
+
+
+def _unblock(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[out/B, B, in/B, B] -> [out, in], the padding cut off."""
+    out_f, in_f = shape
+    return blocks.reshape(blocks.shape[0] * blocks.shape[1], -1)[:out_f, :in_f]
+
+
 def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (fp8 weight [out, in], fp32 scale_inv [ceil(out/B), ceil(in/B)]). Computed
-    from W rounded to bf16, the precision training checkpoints keep: `fake_quantize` does the same,
-    so exporting a bf16 checkpoint reproduces exactly what training saw."""
-    w = w.detach().to(torch.bfloat16).float()
-    scales = block_scales(w, block)
-    blocks, _, _ = _blocks(w, block)
-    q = (blocks / scales[:, None, :, None]).to(FP8)
-    out_f, in_f = w.shape
-    return q.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].contiguous(), scales
+    """W [out, in] -> (fp8 weight [out, in], fp32 scale_inv [ceil(out/B), ceil(in/B)])."""
+    q, scales = _fp8_blocks(w, block)
+    return _unblock(q, w.shape).contiguous(), scales
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -85,10 +94,6 @@ def block_size(config: dict) -> tuple[int, int] | None:
 def fake_quantize(w: torch.Tensor, block: int) -> torch.Tensor:
     """Training: W rounded through FP8 (from its bf16 value, as `quantize`) in the forward pass,
     gradients straight through to W, which keeps its full precision."""
-    w16 = w.detach().to(torch.bfloat16).float()
-    scales = block_scales(w16, block)
-    blocks, _, _ = _blocks(w16, block)
-    rounded = (blocks / scales[:, None, :, None]).to(FP8).float() * scales[:, None, :, None]
-    out_f, in_f = w.shape
-    rounded = rounded.reshape(blocks.shape[0] * block, -1)[:out_f, :in_f].to(w.dtype)
+    q, scales = _fp8_blocks(w, block)
+    rounded = _unblock(q.float() * scales[:, None, :, None], w.shape).to(w.dtype)
     return w + (rounded - w).detach()

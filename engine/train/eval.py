@@ -66,11 +66,11 @@ class TransformersBackend:
         self.model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.tok = load_tokenizer(model_dir / "tokenizer.json")
         self._prompt = fim_prompt_ids
-        # The engine's rule for control tokens (engine/tokenizer.py), so both backends end alike.
-        from engine.tokenizer import ENDING_TOKENS, UNSAMPLED_TOKENS
+        # The engine's rule for control tokens, so both backends end alike.
+        from engine.tokenizer import Tokenizer
 
-        present = lambda names: [i for i in map(self.tok.token_to_id, names) if i is not None]  # noqa: E731
-        self.ending, self.unsampled = present(ENDING_TOKENS), present(UNSAMPLED_TOKENS)
+        rules = Tokenizer.from_dir(model_dir)
+        self.ending, self.unsampled = list(rules.eos_ids), list(rules.unsampled_ids)
         self.eos = self.tok.token_to_id("<|endoftext|>")
 
     def encode(self, text: str) -> list[int]:
@@ -82,8 +82,7 @@ class TransformersBackend:
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
                                   eos_token_id=self.ending, pad_token_id=self.eos,
                                   suppress_tokens=self.unsampled or None)[0, len(ids):].tolist()
-        ends = [i for i, t in enumerate(out) if t in self.ending]
-        out = out[:ends[0]] if ends else out
+        out = out[:next((i for i, t in enumerate(out) if t in self.ending), len(out))]
         text = self.tok.decode(out, skip_special_tokens=False)
         for stop in STOPS[kind]:
             text = text.split(stop)[0]

@@ -35,9 +35,9 @@ def _trim(prefix: str, suffix: str) -> tuple[str, str]:
 
 
 def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
-              taken: set[int] | None = None) -> FimTask | None:
+              taken: set[int] | None = None, file: str | None = None) -> FimTask | None:
     """One task from a random non-empty line of `text`; `taken`: lines already used as a first
-    line (skipped, and the chosen one added)."""
+    line (skipped, and the chosen one added); `file`: where it comes from (default doc_id)."""
     lines = text.split("\n")
     candidates = [i for i, l in enumerate(lines) if l.strip()]
     if taken:
@@ -55,7 +55,7 @@ def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
     start += len(lines[first]) - len(lines[first].lstrip(" \t"))
     end = sum(len(l) + 1 for l in lines[:last + 1]) - 1
     prefix, suffix = _trim(text[:start], text[end:])
-    return FimTask(doc_id, kind, prefix, text[start:end], suffix, doc_id)
+    return FimTask(doc_id, kind, prefix, text[start:end], suffix, file or doc_id)
 
 
 def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1) -> list[FimTask]:
@@ -66,9 +66,8 @@ def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: 
         rng = random.Random(f"{seed}:{kind}:{doc_id}")  # per file, so subsets give the same tasks
         taken: set[int] = set()
         for k in range(per_file):
-            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken)
+            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken, file=doc_id)
             if task is None:
                 break
-            task.file = doc_id
             tasks.append(task)
     return tasks

@@ -141,8 +141,8 @@ def main(argv=None) -> None:
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
     run = {}
     weights = checkpoint.load_weights(args.resume) if args.resume else None
-    if weights and expert_width(weights):  # a widened run's checkpoint is wider than config.json
-        config = {**config, "moe_intermediate_size": expert_width(weights)}
+    if weights and (trained_width := expert_width(weights)):  # a widened run's is wider than config.json
+        config = {**config, "moe_intermediate_size": trained_width}
     width = config["moe_intermediate_size"]
     if args.widen_experts and args.widen_experts != width:
         if args.widen_experts < width:
