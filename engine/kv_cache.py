@@ -48,6 +48,19 @@ class KVCache:
             self.values[layer][:, : self.used].transpose(1, 2),
         )
 
+    def lone_slots(self, position: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """For the model's lone decode path: one CPU row's new token at `position`, past every
+        position written so far. Its slot and the one run of positions 0..position, or None."""
+        if self.shape[0] != 1 or self.keys[0].device.type != "cpu" or position + 1 < self.used:
+            return None
+        self.reserve(position + 1)
+        self.used = position + 1
+        return position, [(0, position + 1)]
+
+    def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's key and value buffers of the one row, [capacity, Hkv, D] each."""
+        return self.keys[layer][0], self.values[layer][0]
+
     def attend(self, layer, positions, q, k, v, sliding_window=None):
         """Store this step's K/V, then causal attention of q [B, Hq, T, D] over the cache."""
         keys, values = self.write(layer, positions, k, v)

@@ -8,6 +8,8 @@ is partly filled, so no slot is padding. Optional fp8 (e4m3) storage keeps one f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -87,20 +89,44 @@ class PagedBatch:
     def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
         self.pool = pool
         self.block_tables = block_tables
-        width = max(len(t) for t in block_tables)
-        padded = [t + [t[-1]] * (width - len(t)) for t in block_tables]
-        self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, blocks]
-        bs = pool.block_size
-        offsets = torch.arange(bs, device=device)
-        self.slot_map = (self.tables[:, :, None] * bs + offsets).reshape(len(block_tables), -1)  # [B, blocks*bs]
+        self.device = device
         self.kv_len = 0
         # Built at the first layer and shared by the rest: every layer sees the same positions.
         self._tables_i32 = self._lengths = self._row_runs = None
 
+    # Built on first use: a lone CPU decode step (`lone_slots`) needs neither.
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:  # [B, blocks]
+        width = max(len(t) for t in self.block_tables)
+        padded = [t + [t[-1]] * (width - len(t)) for t in self.block_tables]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def slot_map(self) -> torch.Tensor:  # [B, blocks * block_size]
+        bs = self.pool.block_size
+        offsets = torch.arange(bs, device=self.device)
+        return (self.tables[:, :, None] * bs + offsets).reshape(len(self.block_tables), -1)
+
     def reserve(self, length: int) -> None:
-        if length > self.slot_map.shape[1]:
-            raise AssertionError(f"block table covers {self.slot_map.shape[1]} tokens, forward needs {length}")
+        covered = max(len(t) for t in self.block_tables) * self.pool.block_size
+        if length > covered:
+            raise AssertionError(f"block table covers {covered} tokens, forward needs {length}")
         self.kv_len = length
+
+    def lone_slots(self, position: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """For the model's lone decode path: one CPU sequence's new token at `position` (it sees
+        every earlier key). Its flat slot and the slot runs of positions 0..position, or None
+        where the general path must run (several rows, fp8 storage, a GPU pool)."""
+        pool = self.pool
+        if len(self.block_tables) != 1 or pool.fp8 or pool.keys[0].device.type != "cpu":
+            return None
+        table, bs = self.block_tables[0], pool.block_size
+        self.reserve(position + 1)
+        return table[position // bs] * bs + position % bs, slot_runs(table, bs, position + 1)
+
+    def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's flat key and value stores, [slots, Hkv, D] each."""
+        return self.pool.keys[layer], self.pool.values[layer]
 
     def attend(self, layer, positions, q, k, v, sliding_window=None):
         """Store this step's K/V in the pool, then causal attention of q [B, Hq, T, D].

@@ -33,6 +33,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[D, D] R with x @ R == apply_rope(x, cos, sin) for one position's cos/sin [D]: RoPE of
+    many heads as one product (up to rounding: each output sums two products)."""
+    d = cos.shape[0]
+    half = d // 2
+    r = torch.diag(cos)
+    r.diagonal(half).copy_(sin[half:])  # out[j] += x[j - half] * sin[j] for j >= half
+    r.diagonal(-half).copy_(-sin[:half])  # out[j] -= x[j + half] * sin[j] for j < half
+    return r
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., T, D] with cos/sin broadcastable to it (rotate-half convention)."""
     half = x.shape[-1] // 2
@@ -121,6 +132,33 @@ def attention_over_runs(
         out = part if out is None else out + part
         start += v.shape[0]
     return out.reshape(n_q, n_tokens, head_dim)
+
+
+def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
+    """`attention_over_runs` for one query that sees every key (decode at the last position),
+    with the softmax scale already in q. q [Hq, D]; runs [n_i, Hkv, D]. Returns [Hq, D]."""
+    n_kv, head_dim = key_runs[0].shape[1], q.shape[-1]
+    qg = q.view(n_kv, -1, head_dim)  # the query heads of one KV head stacked as rows
+    parts = [torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs]
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = None
+    start = 0
+    for v in value_runs:
+        part = torch.bmm(probs[..., start : start + v.shape[0]], v.transpose(0, 1))
+        out = part if out is None else out + part
+        start += v.shape[0]
+    return out.view(q.shape)
+
+
+def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
+    """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
+    descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""
+    top = max(logits)
+    exps = [math.exp(v - top) for v in logits]
+    chosen = sorted(range(len(logits)), key=lambda e: -logits[e])[:top_k]
+    total = sum(exps[e] for e in chosen) if norm_topk_prob else sum(exps)
+    return [(e, exps[e] / total) for e in chosen]
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):

@@ -1,0 +1,117 @@
+"""The CPU's lone decode path (one sequence, one token, fp32) against the general path and the
+reference ops it replaces, on fresh random inputs."""
+
+import pytest
+import torch
+
+from engine.kv_pool import KVPool, PagedBatch
+from engine.random_model import TINY, random_model
+from kernels import reference as ref
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_rope_matrix_equals_apply_rope():
+    g = torch.Generator().manual_seed(11)
+    inv = ref.rope_inv_freq(64, 10000.0)
+    x = torch.randn(6, 64, generator=g)
+    for pos in (0, 1, 37, 4000):
+        cos, sin = ref.rope_cos_sin(torch.tensor([pos]), inv, torch.float32)
+        expected = ref.apply_rope(x, cos, sin)
+        assert torch.allclose(x @ ref.rope_matrix(cos[0], sin[0]), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("run_lengths", [[9], [3, 16, 5]])
+def test_attention_lone_equals_attention_over_runs(run_lengths):
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(4, 16, generator=g)
+    keys = [torch.randn(n, 2, 16, generator=g) for n in run_lengths]
+    values = [torch.randn(n, 2, 16, generator=g) for n in run_lengths]
+    seq = sum(run_lengths)
+    expected = ref.attention_over_runs(q[:, None], keys, values, torch.tensor([seq - 1]))[:, 0]
+    out = ref.attention_lone(q * 16**-0.5, keys, values)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_route_one_equals_route(norm_topk_prob):
+    g = torch.Generator().manual_seed(13)
+    x, router = torch.randn(4, 32, generator=g), torch.randn(8, 32, generator=g)
+    ids, weights = ref.route(x, router, 2, norm_topk_prob)
+    for t in range(4):
+        chosen = ref.route_one((x[t] @ router.T).tolist(), 2, norm_topk_prob)
+        assert [e for e, _ in chosen] == ids[t].tolist()
+        assert torch.allclose(torch.tensor([w for _, w in chosen], dtype=torch.float64), weights[t].double(), rtol=1e-6)
+
+
+def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
+    """Prefill, then decode greedily with the lone path and the general path side by side;
+    returns the worst relative logit difference and both token lists. cache_for() gives a
+    function that returns the cache argument of each forward."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
+    caches, tokens, worst = [cache_for(), cache_for()], [[], []], 0.0
+    for cache in caches:
+        model.forward(ids, torch.arange(prompt)[None], cache())
+    nxt = [int(ids[0, -1])] * 2
+    for pos in range(prompt, prompt + steps):
+        logits = []
+        for i, lone in enumerate((True, False)):
+            model.lone_decode = lone
+            logits.append(model.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1])
+            nxt[i] = int(logits[i].argmax())
+            tokens[i].append(nxt[i])
+        worst = max(worst, _rel(logits[0], logits[1]))
+    model.lone_decode = True
+    return worst, tokens
+
+
+@pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
+def test_lone_decode_matches_general_path_paged(variant):
+    config = dict(TINY, vocab_size=512)
+    if variant == "dense_and_untied":
+        config.update(mlp_only_layers=[0], tie_word_embeddings=False)
+    model = random_model(config, dtype=torch.float32, seed=3)
+    if variant == "bias":
+        g = torch.Generator().manual_seed(4)
+        for layer in model.layers:
+            layer.b_qkv = 0.1 * torch.randn(layer.w_qkv.shape[0], generator=g)
+            layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
+    c = model.config
+    # Blocks out of order, so the keys lie in several runs of slots.
+    table = [5, 2, 3, 0]
+
+    def paged():
+        pool = KVPool(c.num_layers, 6, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        return lambda: PagedBatch(pool, [table], "cpu")  # a view per forward, as the engine makes
+
+    worst, (lone, general) = _decode_both(model, paged, steps=9)
+    assert worst < 1e-5
+    assert lone == general
+
+
+def test_lone_decode_matches_general_path_contiguous():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=5)
+
+    def contiguous():
+        cache = model.new_cache(1, capacity=8)  # grows (doubling) during the test
+        return lambda: cache
+
+    worst, (lone, general) = _decode_both(model, contiguous)
+    assert worst < 1e-5
+    assert lone == general
+
+
+def test_lone_path_is_skipped_where_it_does_not_apply():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=6)
+    c = model.config
+    pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
+    assert PagedBatch(pool, [[0, 1]], "cpu").lone_slots(3) is None  # fp8 storage
+    pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    assert PagedBatch(pool, [[0], [1]], "cpu").lone_slots(3) is None  # two rows
+    cache = model.new_cache(1)
+    cache.used = 5
+    assert cache.lone_slots(2) is None  # rewriting an earlier position: keys past it exist
+    assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16)._lone_path_applies()
