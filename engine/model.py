@@ -41,6 +41,28 @@ class LayerWeights:
     router: torch.Tensor | None  # [E, H] on MoE layers, None on dense layers
 
 
+@dataclass
+class _LoneLayer:
+    """What the lone decode path reads of a layer, prepared once: views of the layer's weights
+    (per expert, transposed where addmm wants it) and the q/k norm weights per head row. The
+    views follow in-place weight updates; q_norm/k_norm replaced afterwards would not be seen."""
+
+    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
+    w_o_t: torch.Tensor  # [Hq * D, H]
+    gate_up: tuple[torch.Tensor, ...]  # per expert [2I, H]
+    down_t: tuple[torch.Tensor, ...]  # per expert [I, H]
+
+    @classmethod
+    def of(cls, layer: LayerWeights, cfg: ModelConfig) -> "_LoneLayer":
+        # The scale is exact when D is a power of 4 (64 is): scores come out bit-identical.
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        qk_norm = torch.cat([(layer.q_norm * scale).expand(cfg.num_heads, -1),
+                             layer.k_norm.expand(cfg.num_kv_heads, -1)])
+        moe = layer.router is not None
+        return cls(qk_norm, layer.w_o.t(), layer.w_gate_up.unbind(0) if moe else (),
+                   tuple(w.t() for w in layer.w_down.unbind(0)) if moe else ())
+
+
 class Qwen3MoeModel:
     def __init__(
         self,
@@ -63,7 +85,7 @@ class Qwen3MoeModel:
         self.moe_fn = None
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self.lone_decode = True  # False: CPU decode steps run the general path too (comparisons)
-        self._qk_weights = None  # per layer [Hq + Hkv, D], built at the first lone decode step
+        self._lone = None  # per-layer `_LoneLayer`, built at the first lone decode step
 
     def new_cache(self, batch: int, capacity: int = 256) -> KVCache:
         cfg = self.config
@@ -117,55 +139,40 @@ class Qwen3MoeModel:
         differ from the general path only in rounding (summation order, RoPE as one matmul).
         """
         cfg = self.config
-        eps, hidden, d = cfg.rms_norm_eps, (cfg.hidden_size,), cfg.head_dim
-        n_qk = (cfg.num_heads + cfg.num_kv_heads) * d
-        if self._qk_weights is None:
-            self._qk_weights = self._lone_qk_weights()
+        eps, d, n_q = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads
+        n_qk = (n_q + cfg.num_kv_heads) * d
+        if self._lone is None:
+            self._lone = [_LoneLayer.of(layer, cfg) for layer in self.layers]
+            self._eps = torch.tensor(eps)
         cos, sin = ref.rope_cos_sin(torch.tensor([position]), self.inv_freq, self.dtype)
         rope = ref.rope_matrix(cos[0], sin[0])
         x = self.embed[token : token + 1]  # a view: every update below makes a new tensor
-        for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, layer.input_norm, eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)[0]
+        for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
+            h = _rms_norm_row(x, layer.input_norm, eps)
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv).view(-1, d)  # q, k, v heads as rows
             # q and k heads: one norm (weights per head row), then RoPE for all of them at once.
-            qk = F.rms_norm(qkv[:n_qk].view(-1, d), (d,), None, eps) * self._qk_weights[index]
-            qk = torch.mm(qk, rope)
+            qk = qkv[: n_qk // d]
+            inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
+            qk = torch.mm(torch.mul(qk, lone.qk_norm).mul_(inv_rms[:, None]), rope)
             keys, values = cache.layer_stores(index)
-            keys[slot].copy_(qk[cfg.num_heads :])
-            values[slot].copy_(qkv[n_qk:].view(-1, d))
-            out = ref.attention_lone(qk[: cfg.num_heads], [keys[a:b] for a, b in runs],
-                                     [values[a:b] for a, b in runs])
+            keys[slot].copy_(qk[n_q:])
+            values[slot].copy_(qkv[n_qk // d :])
+            out = ref.attention_lone(qk[:n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
             if layer.b_o is None:  # the residual add inside the product
-                x = torch.addmm(x, out.view(1, -1), layer.w_o.t())
+                x = torch.addmm(x, out.view(1, -1), lone.w_o_t)
             else:
                 x = x + F.linear(out.view(1, -1), layer.w_o, layer.b_o)
-            h = F.rms_norm(x, hidden, layer.post_attention_norm, eps)
+            h = _rms_norm_row(x, layer.post_attention_norm, eps)
             if layer.router is None:
                 x = x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
-            else:
-                x = self._moe_lone(x, h, layer)
-        x = F.rms_norm(x, hidden, self.final_norm, eps)
-        return F.linear(x, self.lm_head)[None]
-
-    def _lone_qk_weights(self) -> list[torch.Tensor]:
-        """Per layer, the q_norm weight for each query head row and k_norm for each key head row;
-        the query rows also carry attention's 1/sqrt(D) (exact when D is a power of 4, as 64 is)."""
-        cfg = self.config
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-        return [torch.cat([(layer.q_norm * scale).expand(cfg.num_heads, -1),
-                           layer.k_norm.expand(cfg.num_kv_heads, -1)]) for layer in self.layers]
-
-    def _moe_lone(self, x: torch.Tensor, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        """x + MoE(h) for one token [1, H]: routing in Python (8 logits), each chosen expert read
-        in place and added into the residual with its routing weight inside the product."""
-        cfg = self.config
-        inter = layer.w_down.shape[2]
-        logits = F.linear(h, layer.router)[0].tolist()
-        for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-            gate_up = F.linear(h, layer.w_gate_up[expert])
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = torch.addmm(x, act, layer.w_down[expert].t(), alpha=weight)
-        return x
+                continue
+            # MoE: routing in Python (a handful of logits), each chosen expert read in place and
+            # added into the residual with its routing weight inside the product.
+            logits = F.linear(h, layer.router)[0].tolist()
+            for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
+                gate, up = F.linear(h, lone.gate_up[expert]).view(2, -1)
+                x = torch.addmm(x, F.silu(gate).mul_(up)[None], lone.down_t[expert], alpha=weight)
+        return F.linear(_rms_norm_row(x, self.final_norm, eps), self.lm_head)[None]
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config
@@ -202,3 +209,11 @@ class Qwen3MoeModel:
         if device.type == "cuda":
             return dispatch.moe  # Triton: warp decode or expert-centric, by a measured crossover
         return ref.moe_output_centric if pairs <= CPU_OUTPUT_CENTRIC_MAX_PAIRS else ref.moe_expert_centric
+
+
+def _rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ref.rms_norm` of one fp32 row x [1, H] in three ops instead of about ten: the mean
+    square is read out as a Python float and the scaling folded into one addcmul."""
+    flat = x.view(-1)
+    inv_rms = 1.0 / math.sqrt(torch.dot(flat, flat).item() / flat.shape[0] + eps)
+    return torch.addcmul(torch.zeros_like(x), x, weight, value=inv_rms)
