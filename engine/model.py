@@ -43,14 +43,18 @@ class LayerWeights:
 
 @dataclass
 class _LoneLayer:
-    """What the lone decode path reads of a layer, prepared once: views of the layer's weights
-    (per expert, transposed where addmm wants it) and the q/k norm weights per head row. The
-    views follow in-place weight updates; q_norm/k_norm replaced afterwards would not be seen."""
+    """What the lone decode path reads of a layer, prepared once: each weight matrix it
+    multiplies by, transposed into a contiguous [in, out] copy, and the q/k norm weights per
+    head row. A one-row product streams the [in, out] layout about 1.3-1.8x faster on the CPU
+    (MKL's kernel for the transposed [out, in] case is slower than memory), at the cost of a
+    second copy of those weights. Derived from the weights when built: weights changed later
+    are not seen (nothing in the engine changes them)."""
 
     qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
-    w_o_t: torch.Tensor  # [Hq * D, H]
-    gate_up: tuple[torch.Tensor, ...]  # per expert [2I, H]
-    down_t: tuple[torch.Tensor, ...]  # per expert [I, H]
+    w_qkv: torch.Tensor  # [H, (Hq + 2 Hkv) D]
+    w_o: torch.Tensor  # [Hq D, H]
+    gate_up: torch.Tensor | None  # MoE: [E, H, 2I]
+    down: torch.Tensor | None  # MoE: [E, I, H]
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg: ModelConfig) -> "_LoneLayer":
@@ -59,8 +63,12 @@ class _LoneLayer:
         qk_norm = torch.cat([(layer.q_norm * scale).expand(cfg.num_heads, -1),
                              layer.k_norm.expand(cfg.num_kv_heads, -1)])
         moe = layer.router is not None
-        return cls(qk_norm, layer.w_o.t(), layer.w_gate_up.unbind(0) if moe else (),
-                   tuple(w.t() for w in layer.w_down.unbind(0)) if moe else ())
+        return cls(qk_norm, _k_major(layer.w_qkv), _k_major(layer.w_o),
+                   _k_major(layer.w_gate_up) if moe else None, _k_major(layer.w_down) if moe else None)
+
+
+def _k_major(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-1, -2).contiguous()
 
 
 class Qwen3MoeModel:
@@ -143,13 +151,15 @@ class Qwen3MoeModel:
         n_qk = (n_q + cfg.num_kv_heads) * d
         if self._lone is None:
             self._lone = [_LoneLayer.of(layer, cfg) for layer in self.layers]
+            self._lone_lm_head = _k_major(self.lm_head)  # [H, V]
             self._eps = torch.tensor(eps)
         cos, sin = ref.rope_cos_sin(torch.tensor([position]), self.inv_freq, self.dtype)
         rope = ref.rope_matrix(cos[0], sin[0])
         x = self.embed[token : token + 1]  # a view: every update below makes a new tensor
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
             h = _rms_norm_row(x, layer.input_norm, eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv).view(-1, d)  # q, k, v heads as rows
+            qkv = torch.mm(h, lone.w_qkv) if layer.b_qkv is None else torch.addmm(layer.b_qkv, h, lone.w_qkv)
+            qkv = qkv.view(-1, d)  # q, k, v heads as rows
             # q and k heads: one norm (weights per head row), then RoPE for all of them at once.
             qk = qkv[: n_qk // d]
             inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
@@ -158,10 +168,9 @@ class Qwen3MoeModel:
             keys[slot].copy_(qk[n_q:])
             values[slot].copy_(qkv[n_qk // d :])
             out = ref.attention_lone(qk[:n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            if layer.b_o is None:  # the residual add inside the product
-                x = torch.addmm(x, out.view(1, -1), lone.w_o_t)
-            else:
-                x = x + F.linear(out.view(1, -1), layer.w_o, layer.b_o)
+            x = torch.addmm(x, out.view(1, -1), lone.w_o)  # the residual add inside the product
+            if layer.b_o is not None:
+                x = x + layer.b_o
             h = _rms_norm_row(x, layer.post_attention_norm, eps)
             if layer.router is None:
                 x = x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
@@ -170,9 +179,9 @@ class Qwen3MoeModel:
             # added into the residual with its routing weight inside the product.
             logits = F.linear(h, layer.router)[0].tolist()
             for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-                gate, up = F.linear(h, lone.gate_up[expert]).view(2, -1)
-                x = torch.addmm(x, F.silu(gate).mul_(up)[None], lone.down_t[expert], alpha=weight)
-        return F.linear(_rms_norm_row(x, self.final_norm, eps), self.lm_head)[None]
+                gate, up = torch.mm(h, lone.gate_up[expert]).view(2, -1)
+                x = torch.addmm(x, F.silu(gate).mul_(up)[None], lone.down[expert], alpha=weight)
+        return torch.mm(_rms_norm_row(x, self.final_norm, eps), self._lone_lm_head)[None]
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config
