@@ -43,18 +43,21 @@ class LayerWeights:
 
 @dataclass
 class _LoneLayer:
-    """What the lone decode path reads of a layer, prepared once: each weight matrix it
-    multiplies by, transposed into a contiguous [in, out] copy, and the q/k norm weights per
-    head row. A one-row product streams the [in, out] layout about 1.3-1.8x faster on the CPU
-    (MKL's kernel for the transposed [out, in] case is slower than memory), at the cost of a
-    second copy of those weights. Derived from the weights when built: weights changed later
-    are not seen (nothing in the engine changes them)."""
+    """What the lone decode path reads of a layer, prepared once. Each weight matrix it
+    multiplies by is copied contiguous as [in, out] and used through its [out, in] transposed
+    view: MKL's matrix-vector product streams that layout about 1.3-1.8x faster on the CPU than
+    the [out, in] contiguous one (its kernel for that case is slower than memory), at the cost
+    of a second copy of those weights. The RMSNorm weight in front of a product is folded into
+    it, so a norm is one scalar. Derived from the weights when built: weights changed later are
+    not seen (nothing in the engine changes them)."""
 
     qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
-    w_qkv: torch.Tensor  # [H, (Hq + 2 Hkv) D]
-    w_o: torch.Tensor  # [Hq D, H]
-    gate_up: torch.Tensor | None  # MoE: [E, H, 2I]
-    down: torch.Tensor | None  # MoE: [E, I, H]
+    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H], input_norm folded in
+    b_qkv: torch.Tensor  # [(Hq + 2 Hkv) D], zeros without a bias
+    w_o: torch.Tensor  # [H, Hq D]
+    router: torch.Tensor | None  # MoE: [E, H], post_attention_norm folded in
+    gate_up: tuple[torch.Tensor, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
+    down: tuple[torch.Tensor, ...]  # MoE, per expert [H, I]
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg: ModelConfig) -> "_LoneLayer":
@@ -62,13 +65,26 @@ class _LoneLayer:
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qk_norm = torch.cat([(layer.q_norm * scale).expand(cfg.num_heads, -1),
                              layer.k_norm.expand(cfg.num_kv_heads, -1)])
+        b_qkv = layer.b_qkv if layer.b_qkv is not None else layer.w_qkv.new_zeros(layer.w_qkv.shape[0])
         moe = layer.router is not None
-        return cls(qk_norm, _k_major(layer.w_qkv), _k_major(layer.w_o),
-                   _k_major(layer.w_gate_up) if moe else None, _k_major(layer.w_down) if moe else None)
+        norm = layer.post_attention_norm
+        return cls(
+            qk_norm, _in_major(layer.w_qkv * layer.input_norm), b_qkv, _in_major(layer.w_o),
+            (layer.router * norm) if moe else None,
+            tuple(_in_major(w * norm) for w in layer.w_gate_up) if moe else (),
+            tuple(_in_major(w) for w in layer.w_down) if moe else (),
+        )
 
 
-def _k_major(w: torch.Tensor) -> torch.Tensor:
-    return w.transpose(-1, -2).contiguous()
+def _in_major(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] stored contiguous as [in, out]; the same [out, in] values, as a view."""
+    return w.t().contiguous().t()
+
+
+def _inv_rms(x: torch.Tensor, eps: float) -> float:
+    """RMSNorm's 1/rms of one fp32 vector, as a Python float (the scaling then rides on a
+    product that follows, instead of the ten-odd small ops of a norm)."""
+    return 1.0 / math.sqrt(torch.dot(x, x).item() / x.shape[0] + eps)
 
 
 class Qwen3MoeModel:
@@ -151,15 +167,12 @@ class Qwen3MoeModel:
         n_qk = (n_q + cfg.num_kv_heads) * d
         if self._lone is None:
             self._lone = [_LoneLayer.of(layer, cfg) for layer in self.layers]
-            self._lone_lm_head = _k_major(self.lm_head)  # [H, V]
+            self._lone_lm_head = _in_major(self.lm_head * self.final_norm)
             self._eps = torch.tensor(eps)
-        cos, sin = ref.rope_cos_sin(torch.tensor([position]), self.inv_freq, self.dtype)
-        rope = ref.rope_matrix(cos[0], sin[0])
-        x = self.embed[token : token + 1]  # a view: every update below makes a new tensor
+        rope = ref.rope_matrix(position, self.inv_freq)
+        x = self.embed[token]  # [H], a view: every update below makes a new tensor
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
-            h = _rms_norm_row(x, layer.input_norm, eps)
-            qkv = torch.mm(h, lone.w_qkv) if layer.b_qkv is None else torch.addmm(layer.b_qkv, h, lone.w_qkv)
-            qkv = qkv.view(-1, d)  # q, k, v heads as rows
+            qkv = torch.addmv(lone.b_qkv, lone.w_qkv, x, alpha=_inv_rms(x, eps)).view(-1, d)  # heads as rows
             # q and k heads: one norm (weights per head row), then RoPE for all of them at once.
             qk = qkv[: n_qk // d]
             inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
@@ -168,20 +181,21 @@ class Qwen3MoeModel:
             keys[slot].copy_(qk[n_q:])
             values[slot].copy_(qkv[n_qk // d :])
             out = ref.attention_lone(qk[:n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            x = torch.addmm(x, out.view(1, -1), lone.w_o)  # the residual add inside the product
+            x = torch.addmv(x, lone.w_o, out.view(-1))  # the residual add inside the product
             if layer.b_o is not None:
                 x = x + layer.b_o
-            h = _rms_norm_row(x, layer.post_attention_norm, eps)
             if layer.router is None:
+                h = ref.rms_norm(x, layer.post_attention_norm, eps)
                 x = x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
                 continue
             # MoE: routing in Python (a handful of logits), each chosen expert read in place and
             # added into the residual with its routing weight inside the product.
-            logits = F.linear(h, layer.router)[0].tolist()
+            h = x * _inv_rms(x, eps)  # the norm's weight is in the router and expert copies
+            logits = torch.mv(lone.router, h).tolist()
             for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-                gate, up = torch.mm(h, lone.gate_up[expert]).view(2, -1)
-                x = torch.addmm(x, F.silu(gate).mul_(up)[None], lone.down[expert], alpha=weight)
-        return torch.mm(_rms_norm_row(x, self.final_norm, eps), self._lone_lm_head)[None]
+                gate, up = torch.mv(lone.gate_up[expert], h).view(2, -1)
+                x = torch.addmv(x, lone.down[expert], F.silu(gate).mul_(up), alpha=weight)
+        return torch.mv(self._lone_lm_head, x * _inv_rms(x, eps)).view(1, 1, -1)
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config
@@ -219,10 +233,3 @@ class Qwen3MoeModel:
             return dispatch.moe  # Triton: warp decode or expert-centric, by a measured crossover
         return ref.moe_output_centric if pairs <= CPU_OUTPUT_CENTRIC_MAX_PAIRS else ref.moe_expert_centric
 
-
-def _rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`ref.rms_norm` of one fp32 row x [1, H] in three ops instead of about ten: the mean
-    square is read out as a Python float and the scaling folded into one addcmul."""
-    flat = x.view(-1)
-    inv_rms = 1.0 / math.sqrt(torch.dot(flat, flat).item() / flat.shape[0] + eps)
-    return torch.addcmul(torch.zeros_like(x), x, weight, value=inv_rms)

@@ -6,6 +6,7 @@ checkpoint: norms and softmaxes in fp32, results cast back to the activation dty
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,15 +34,26 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[D, D] R with x @ R == apply_rope(x, cos, sin) for one position's cos/sin [D]: RoPE of
-    many heads as one product (up to rounding: each output sums two products)."""
-    d = cos.shape[0]
+def rope_matrix(position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[D, D] R with x @ R == apply_rope(x, cos, sin) at one position: RoPE of many heads as one
+    product (up to rounding: each output sums two products), built in a few ops."""
+    freqs = inv_freq * float(position)  # the same fp32 products as rope_cos_sin's
+    sin = freqs.sin()
+    values = torch.cat((freqs.cos().repeat(2), sin, -sin))
+    d = 2 * freqs.shape[0]
+    return torch.zeros(d * d, device=freqs.device).index_copy_(0, _rope_slots(d, freqs.device), values).view(d, d)
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_slots(d: int, device: torch.device) -> torch.Tensor:
+    """Flat indices in R [D, D] for rope_matrix's values: the diagonal (cos), then
+    R[j - D/2, j] = sin for j >= D/2 (out[j] += x[j - D/2] sin) and R[j + D/2, j] = -sin for
+    j < D/2 (out[j] -= x[j + D/2] sin)."""
     half = d // 2
-    r = torch.diag(cos)
-    r.diagonal(half).copy_(sin[half:])  # out[j] += x[j - half] * sin[j] for j >= half
-    r.diagonal(-half).copy_(-sin[:half])  # out[j] -= x[j + half] * sin[j] for j < half
-    return r
+    diagonal = [j * d + j for j in range(d)]
+    upper = [(j - half) * d + j for j in range(half, d)]
+    lower = [(j + half) * d + j for j in range(half)]
+    return torch.tensor(diagonal + upper + lower, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,8 +151,10 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
     with the softmax scale already in q. q [Hq, D]; runs [n_i, Hkv, D]. Returns [Hq, D]."""
     n_kv, head_dim = key_runs[0].shape[1], q.shape[-1]
     qg = q.view(n_kv, -1, head_dim)  # the query heads of one KV head stacked as rows
-    parts = [torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs]
-    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if len(key_runs) == 1:  # a compacted sequence: its keys are one run
+        probs = torch.softmax(torch.bmm(qg, key_runs[0].permute(1, 2, 0)), dim=-1, dtype=torch.float32)
+        return torch.bmm(probs.to(q.dtype), value_runs[0].transpose(0, 1)).view(q.shape)
+    scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = None
     start = 0
@@ -154,11 +168,11 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
     """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
     descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""
-    top = max(logits)
-    exps = [math.exp(v - top) for v in logits]
-    chosen = sorted(range(len(logits)), key=lambda e: -logits[e])[:top_k]
-    total = sum(exps[e] for e in chosen) if norm_topk_prob else sum(exps)
-    return [(e, exps[e] / total) for e in chosen]
+    chosen = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[:top_k]  # stable: ties to the lower id
+    top = logits[chosen[0]]
+    exps = [math.exp(logits[e] - top) for e in chosen]
+    total = sum(exps) if norm_topk_prob else sum(math.exp(v - top) for v in logits)
+    return [(e, w / total) for e, w in zip(chosen, exps)]
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
