@@ -154,6 +154,14 @@ class Qwen3MoeModel:
         return (self.lone_decode and self.device.type == "cpu" and self.dtype == torch.float32 and self.moe_fn is None
                 and self.moe_path == "auto" and cfg.sliding_window is None)
 
+    def prepare_lone_decode(self) -> None:
+        """Build the lone decode path's weight copies now (~0.1 s and one more copy of the
+        weights for the model shipped), rather than in the first completion's first step."""
+        if self._lone is None and self._lone_path_applies():
+            self._lone = [_LoneLayer.of(layer, self.config) for layer in self.layers]
+            self._lone_lm_head = _in_major(self.lm_head * self.final_norm)
+            self._eps = torch.tensor(self.config.rms_norm_eps)
+
     def _forward_lone(self, token: int, position: int, cache, slot: int, runs) -> torch.Tensor:
         """`forward` for one sequence's one new token at the end of its cache (CPU, fp32).
 
@@ -165,10 +173,7 @@ class Qwen3MoeModel:
         cfg = self.config
         eps, d, n_q = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads
         n_qk = (n_q + cfg.num_kv_heads) * d
-        if self._lone is None:
-            self._lone = [_LoneLayer.of(layer, cfg) for layer in self.layers]
-            self._lone_lm_head = _in_major(self.lm_head * self.final_norm)
-            self._eps = torch.tensor(eps)
+        self.prepare_lone_decode()
         rope = ref.rope_matrix(position, self.inv_freq)
         x = self.embed[token]  # [H], a view: every update below makes a new tensor
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):

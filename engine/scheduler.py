@@ -127,6 +127,7 @@ class Engine:
         self.prefix_cache = prefix_cache  # off: every prompt is computed cold (for comparisons)
         # Ids past the tokenizer's vocabulary (a checkpoint's padded embedding rows) never sample.
         self.vocab_limit = tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None
+        model.prepare_lone_decode()  # CPU: at engine start, not in the first completion
         self.graphs = None  # CUDA: decode steps and short prompt tails replay captured graphs
         if cuda_graphs and model.device.type == "cuda" and cfg.sliding_window is None:
             from engine.decode_graph import DecodeGraphs
