@@ -8,6 +8,7 @@ arithmetic in fewer ops, since there a step's cost is mostly the fixed cost of e
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,11 @@ MOE_PATHS = ("auto", "expert_centric", "output_centric")
 # routed; past this many (token, expert) pairs (measured crossover 4-8) the grouped path, which
 # reads each expert once for all its tokens, is faster.
 CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
+# A CPU forward of at most this many tokens (decode steps, short prompts) runs on one intra-op
+# thread: its ops are too small to gain from splitting, and while another process keeps a core
+# busy each split op waits for a thread that cannot run (2-core host, cold single-line
+# completion: p50 ~0.2 s on one thread, 1.5-3.7 s on two; a 22-token prefill 38 ms vs 2.5 s).
+CPU_ONE_THREAD_MAX_TOKENS = 64
 
 
 @dataclass
@@ -81,6 +87,20 @@ def _in_major(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _inv_rms(x: torch.Tensor, eps: float) -> float:
     """RMSNorm's 1/rms of one fp32 vector, as a Python float (the scaling then rides on a
     product that follows, instead of the ten-odd small ops of a norm)."""
@@ -128,6 +148,12 @@ class Qwen3MoeModel:
         K/V of these tokens are written into `cache` at their positions; each query attends to
         every cached key at or before its own position.
         """
+        if tokens.is_cuda or tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS:
+            return self._forward(tokens, positions, cache, last_only)
+        with _one_thread():
+            return self._forward(tokens, positions, cache, last_only)
+
+    def _forward(self, tokens, positions, cache, last_only):
         cfg = self.config
         batch, n_tokens = tokens.shape
         if batch == 1 and n_tokens == 1 and self._lone_path_applies():

@@ -115,3 +115,12 @@ def test_lone_path_is_skipped_where_it_does_not_apply():
     cache.used = 5
     assert cache.lone_slots(2) is None  # rewriting an earlier position: keys past it exist
     assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16)._lone_path_applies()
+
+
+def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=7)
+    threads = torch.get_num_threads()
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
+    model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
+    assert torch.get_num_threads() == threads
