@@ -3,7 +3,8 @@
 One `forward` serves prefill (many tokens) and decode (one token per sequence); the MoE layer
 picks its path from the number of routed tokens. Numerics follow transformers' Qwen3-MoE.
 On the CPU, one sequence's decode step in fp32 takes a leaner path (`_forward_lone`): the same
-arithmetic in fewer ops, since there a step's cost is mostly the fixed cost of each small op.
+arithmetic, up to rounding, in under a third of the ops, over weight copies laid out for a one-row
+product; there a step's cost is memory traffic plus the fixed cost of each small op.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _in_major(w: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _one_thread():
-    """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS)."""
+    """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS). The
+    setting is per process: the engine runs all model work on its one thread."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
@@ -129,7 +131,7 @@ class Qwen3MoeModel:
         self.moe_fn = None
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self.lone_decode = True  # False: CPU decode steps run the general path too (comparisons)
-        self._lone = None  # per-layer `_LoneLayer`, built at the first lone decode step
+        self._lone = None  # per-layer `_LoneLayer`, built by `prepare_lone_decode`
 
     def new_cache(self, batch: int, capacity: int = 256) -> KVCache:
         cfg = self.config
@@ -181,8 +183,9 @@ class Qwen3MoeModel:
                 and self.moe_path == "auto" and cfg.sliding_window is None)
 
     def prepare_lone_decode(self) -> None:
-        """Build the lone decode path's weight copies now (~0.1 s and one more copy of the
-        weights for the model shipped), rather than in the first completion's first step."""
+        """Build the lone decode path's weight copies now rather than in the first completion's
+        first step (the model shipped: ~0.13 s, 91 MB more memory); a no-op where the path
+        does not apply."""
         if self._lone is None and self._lone_path_applies():
             self._lone = [_LoneLayer.of(layer, self.config) for layer in self.layers]
             self._lone_lm_head = _in_major(self.lm_head * self.final_norm)
@@ -263,4 +266,3 @@ class Qwen3MoeModel:
         if device.type == "cuda":
             return dispatch.moe  # Triton: warp decode or expert-centric, by a measured crossover
         return ref.moe_output_centric if pairs <= CPU_OUTPUT_CENTRIC_MAX_PAIRS else ref.moe_expert_centric
-
