@@ -11,6 +11,7 @@ MODEL_NAME = "wd-coder-tiny"
 # CPU: about 6M active params per token, so a single-line suggestion decodes in tens of ms.
 # `train --widen-experts` grows the experts of a trained model (engine/train/grow.py); export
 # writes the width its checkpoint has, and FP8 export (`--fp8-block`) halves the projections' bytes.
+# These are the first model's sizes; the shipped model (run 7) has 384-wide experts in FP8.
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
