@@ -31,6 +31,13 @@ CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
 # busy each split op waits for a thread that cannot run (2-core host, cold single-line
 # completion: p50 ~0.2 s on one thread, 1.5-3.7 s on two; a 22-token prefill 38 ms vs 2.5 s).
 CPU_ONE_THREAD_MAX_TOKENS = 64
+# Both CPU measures above are for small models, whose steps are dominated by per-op cost: the lean
+# decode step's weight copies double the weights' memory, and a big model's step streams enough
+# bytes to gain from every core. Past this many weight bytes the general path runs as before.
+CPU_SMALL_MODEL_MAX_BYTES = 1 << 30
+# Only OpenMP builds of torch change intra-op threads mid-process; elsewhere the call can warn
+# and pin the whole process to the first setting.
+_THREADS_ADJUSTABLE = "OpenMP" in torch.__config__.parallel_info()
 
 
 @dataclass
@@ -91,9 +98,9 @@ def _in_major(w: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def _one_thread():
     """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS). The
-    setting is per process: the engine runs all model work on its one thread."""
+    engine runs all model work on one thread, whose setting this changes."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or not _THREADS_ADJUSTABLE:
         yield
         return
     torch.set_num_threads(1)
@@ -101,6 +108,14 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _weight_bytes(model: "Qwen3MoeModel") -> int:
+    tensors = [model.embed, model.lm_head, model.final_norm]
+    for layer in model.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    unique = {t.data_ptr(): t for t in tensors}  # a tied lm_head is the embedding
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _inv_rms(x: torch.Tensor, eps: float) -> float:
@@ -132,6 +147,7 @@ class Qwen3MoeModel:
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self.lone_decode = True  # False: CPU decode steps run the general path too (comparisons)
         self._lone = None  # per-layer `_LoneLayer`, built by `prepare_lone_decode`
+        self.small_on_cpu = self.device.type == "cpu" and _weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
 
     def new_cache(self, batch: int, capacity: int = 256) -> KVCache:
         cfg = self.config
@@ -150,7 +166,7 @@ class Qwen3MoeModel:
         K/V of these tokens are written into `cache` at their positions; each query attends to
         every cached key at or before its own position.
         """
-        if tokens.is_cuda or tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS:
+        if not self.small_on_cpu or tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS:
             return self._forward(tokens, positions, cache, last_only)
         with _one_thread():
             return self._forward(tokens, positions, cache, last_only)
@@ -179,13 +195,13 @@ class Qwen3MoeModel:
 
     def _lone_path_applies(self) -> bool:
         cfg = self.config
-        return (self.lone_decode and self.device.type == "cpu" and self.dtype == torch.float32 and self.moe_fn is None
+        return (self.lone_decode and self.small_on_cpu and self.dtype == torch.float32 and self.moe_fn is None
                 and self.moe_path == "auto" and cfg.sliding_window is None)
 
     def prepare_lone_decode(self) -> None:
         """Build the lone decode path's weight copies now rather than in the first completion's
-        first step (the model shipped: ~0.13 s, 91 MB more memory); a no-op where the path
-        does not apply."""
+        first step (the model shipped: ~0.1-0.2 s, ~120 MB more memory); a no-op where the
+        path does not apply."""
         if self._lone is None and self._lone_path_applies():
             self._lone = [_LoneLayer.of(layer, self.config) for layer in self.layers]
             self._lone_lm_head = _in_major(self.lm_head * self.final_norm)

@@ -168,7 +168,7 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
     """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
     descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""
-    chosen = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[:top_k]  # stable: ties to the lower id
+    chosen = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[:top_k]  # exact ties go to the lower id, which torch.topk does not promise
     top = logits[chosen[0]]
     exps = [math.exp(logits[e] - top) for e in chosen]
     total = sum(exps) if norm_topk_prob else sum(math.exp(v - top) for v in logits)

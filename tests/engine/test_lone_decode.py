@@ -124,3 +124,29 @@ def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
     model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
     model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
     assert torch.get_num_threads() == threads
+
+
+def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkeypatch):
+    from engine import model as model_module
+
+    monkeypatch.setattr(model_module, "CPU_SMALL_MODEL_MAX_BYTES", 1000)
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=8)
+    assert not model.small_on_cpu and not model._lone_path_applies()
+    model.prepare_lone_decode()
+    assert model._lone is None  # no second copy of a big model's weights
+    threads_seen = []
+    monkeypatch.setattr(model_module, "_one_thread", lambda: threads_seen.append(1))  # must not be entered
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], cache)
+    logits = model.forward(torch.tensor([[3]]), torch.tensor([[2]]), cache)
+    assert torch.isfinite(logits).all() and not threads_seen
+
+
+def test_path_switches_turn_the_lone_path_off():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=9)
+    assert model._lone_path_applies()
+    model.moe_path = "expert_centric"
+    assert not model._lone_path_applies()
+    model.moe_path = "auto"
+    model.moe_fn = ref.moe_output_centric
+    assert not model._lone_path_applies()
