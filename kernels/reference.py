@@ -137,13 +137,19 @@ def attention_over_runs(
         allowed = allowed[None].expand(group, n_tokens, seq).reshape(1, group * n_tokens, seq)
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return _probs_times_value_runs(probs, value_runs).reshape(n_q, n_tokens, head_dim)
+
+
+def _probs_times_value_runs(probs: torch.Tensor, value_runs: list[torch.Tensor]) -> torch.Tensor:
+    """probs [Hkv, rows, S] times the values held in runs [n_i, Hkv, D] that cover S in order:
+    [Hkv, rows, D], one product per run instead of a copy of all values."""
     out = None
     start = 0
     for v in value_runs:
         part = torch.matmul(probs[..., start : start + v.shape[0]], v.transpose(0, 1))
         out = part if out is None else out + part
         start += v.shape[0]
-    return out.reshape(n_q, n_tokens, head_dim)
+    return out
 
 
 def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
@@ -156,13 +162,7 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
         return torch.bmm(probs.to(q.dtype), value_runs[0].transpose(0, 1)).view(q.shape)
     scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = None
-    start = 0
-    for v in value_runs:
-        part = torch.bmm(probs[..., start : start + v.shape[0]], v.transpose(0, 1))
-        out = part if out is None else out + part
-        start += v.shape[0]
-    return out.view(q.shape)
+    return _probs_times_value_runs(probs, value_runs).view(q.shape)
 
 
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
