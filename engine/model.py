@@ -83,16 +83,22 @@ class _LoneLayer:
         moe = layer.router is not None
         norm = layer.post_attention_norm
         return cls(
-            qk_norm, _in_major(layer.w_qkv * layer.input_norm), b_qkv, _in_major(layer.w_o),
+            qk_norm, _in_major(layer.w_qkv, layer.input_norm), b_qkv, _in_major(layer.w_o),
             (layer.router * norm) if moe else None,
-            tuple(_in_major(w * norm) for w in layer.w_gate_up) if moe else (),
+            tuple(_in_major(w, norm) for w in layer.w_gate_up) if moe else (),
             tuple(_in_major(w) for w in layer.w_down) if moe else (),
         )
 
 
-def _in_major(w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] stored contiguous as [in, out]; the same [out, in] values, as a view."""
-    return w.t().contiguous().t()
+def _in_major(w: torch.Tensor, in_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """w [out, in] (times in_scale [in] per column) stored contiguous as [in, out]; the same
+    [out, in] values, as a view. One pass over w: the scaling writes the new layout."""
+    out = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
+    if in_scale is None:
+        out.copy_(w.t())
+    else:
+        torch.mul(w.t(), in_scale[:, None], out=out)
+    return out.t()
 
 
 @contextlib.contextmanager
@@ -204,7 +210,7 @@ class Qwen3MoeModel:
         path does not apply."""
         if self._lone is None and self._lone_path_applies():
             self._lone = [_LoneLayer.of(layer, self.config) for layer in self.layers]
-            self._lone_lm_head = _in_major(self.lm_head * self.final_norm)
+            self._lone_lm_head = _in_major(self.lm_head, self.final_norm)
             self._eps = torch.tensor(self.config.rms_norm_eps)
 
     def _forward_lone(self, token: int, position: int, cache, slot: int, runs) -> torch.Tensor:
