@@ -165,6 +165,21 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
     return _probs_times_value_runs(probs, value_runs).view(q.shape)
 
 
+def attention_rows(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
+    """`attention_lone` for the last n positions of one sequence, causal among them: row j sees
+    keys 0..S-n+j. q [n, Hq, D] with the softmax scale in it; runs [n_i, Hkv, D] cover 0..S-1.
+    Returns [n, Hq, D]."""
+    n, n_q, head_dim = q.shape
+    n_kv = key_runs[0].shape[1]
+    qg = q.transpose(0, 1).reshape(n_kv, -1, head_dim)  # per KV head: its query heads' rows, n each
+    scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
+    seq = scores.shape[-1]
+    hidden = torch.arange(seq, device=q.device)[None] > torch.arange(seq - n, seq, device=q.device)[:, None]  # [n, S]: keys after each row
+    scores = scores.masked_fill(hidden.repeat(n_q // n_kv, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return _probs_times_value_runs(probs, value_runs).view(n_q, n, head_dim).transpose(0, 1)
+
+
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
     """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
     descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""
