@@ -5,6 +5,8 @@ picks its path from the number of routed tokens. Numerics follow transformers' Q
 On the CPU, one sequence's decode step in fp32 takes a leaner path (`_forward_lone`): the same
 arithmetic, up to rounding, in under a third of the ops, over weight copies laid out for a one-row
 product; there a step's cost is memory traffic plus the fixed cost of each small op.
+`forward_tail` is the same lean path for a few new tokens of one sequence (a speculative draft's
+verification, engine.prompt_lookup): all rows in one product per weight, causal among themselves.
 """
 
 from __future__ import annotations
@@ -305,15 +307,17 @@ class Qwen3MoeModel:
                 continue
             # MoE: rows grouped by expert, so each chosen expert's weights are read once.
             h = x * _inv_rms_rows(x, eps)
-            routed: dict[int, list[tuple[int, float]]] = {}
+            routed: dict[int, tuple[list[int], list[float]]] = {}
             for row, logits in enumerate(torch.mm(h, lone.router.t()).tolist()):
                 for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-                    routed.setdefault(expert, []).append((row, weight))
-            for expert, pairs in routed.items():
-                index_rows = torch.tensor([row for row, _ in pairs])
-                weights = torch.tensor([[w] for _, w in pairs], dtype=x.dtype)
-                gate, up = torch.mm(h[index_rows], lone.gate_up[expert].t()).chunk(2, dim=-1)
-                x.index_add_(0, index_rows, torch.mm(F.silu(gate).mul_(up), lone.down[expert].t()).mul_(weights))
+                    rows, weights = routed.setdefault(expert, ([], []))
+                    rows.append(row)
+                    weights.append(weight)
+            for expert, (rows, weights) in routed.items():
+                every = len(rows) == n  # no gather or scatter
+                gate, up = torch.mm(h if every else h[rows], lone.gate_up[expert].t()).chunk(2, dim=-1)
+                y = torch.mm(F.silu(gate).mul_(up), lone.down[expert].t()).mul_(torch.tensor(weights)[:, None])
+                x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
         return torch.mm(x * _inv_rms_rows(x, eps), self._lone_lm_head.t())
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):

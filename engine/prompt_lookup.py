@@ -8,10 +8,11 @@ one forward over all its tokens and keeps the prefix that greedy decoding would 
 
 from __future__ import annotations
 
-# Tuned on 200 held-out single-line tasks (a replay of their greedy tokens with measured verify
-# costs): matches of 1-2 tokens are right too rarely to pay for the rows they add.
+# Tuned on 200 held-out single-line tasks (their greedy tokens replayed against measured verify
+# costs, BENCHMARKS.md): a verify row costs a good part of a decode step on the CPU, so only a
+# match of the last 4 tokens predicts well enough to pay; shorter matches (3, 2, 1) cost time.
 MAX_DRAFT = 8  # tokens per draft
-NGRAM_SIZES = (4, 3)  # longest match first: a longer match predicts better
+NGRAM_SIZES = (4,)  # longest match first where several are given
 
 
 def draft(tokens: list[int], max_len: int = MAX_DRAFT, ngram_sizes: tuple[int, ...] = NGRAM_SIZES) -> list[int]:

@@ -154,8 +154,9 @@ def test_speculation_gives_the_plain_greedy_tokens(request, model_name, text):
     model, tok = request.getfixturevalue(model_name)
     plain, spec, stats = both(model, tok, dict(prompt_ids=tok.encode(text), max_tokens=40, stop_at_eos=False))
     assert_same(plain, spec)
-    assert stats["draft_tokens"] > 0
     assert spec[1].usage["completion_tokens"] == 40
+    if text == REPETITIVE:
+        assert stats["draft_accepted"] > 0
 
 
 def test_drafts_are_accepted_and_rejected(shipped):
