@@ -117,12 +117,26 @@ class PagedBatch:
         """For the model's lone decode path: one CPU sequence's new token at `position` (it sees
         every earlier key). Its flat slot and the slot runs of positions 0..position, or None
         where the general path must run (several rows, fp8 storage, a GPU pool)."""
-        pool = self.pool
-        if len(self.block_tables) != 1 or pool.fp8 or pool.keys[0].device.type != "cpu":
+        if not self._lone():
             return None
-        table, bs = self.block_tables[0], pool.block_size
+        table, bs = self.block_tables[0], self.pool.block_size
         self.reserve(position + 1)
         return table[position // bs] * bs + position % bs, slot_runs(table, bs, position + 1)
+
+    def lone_rows(self, position: int, count: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        """`lone_slots` for `count` new tokens at positions position.. (the lean CPU forward of a
+        few rows, e.g. a speculative draft's verification): their flat slots [count] and the
+        slot runs of positions 0..position+count-1. Each row sees the keys up to its own."""
+        if not self._lone():
+            return None
+        table, bs = self.block_tables[0], self.pool.block_size
+        self.reserve(position + count)
+        slots = [table[p // bs] * bs + p % bs for p in range(position, position + count)]
+        return torch.tensor(slots), slot_runs(table, bs, position + count)
+
+    def _lone(self) -> bool:
+        pool = self.pool
+        return len(self.block_tables) == 1 and not pool.fp8 and pool.keys[0].device.type == "cpu"
 
     def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's flat key and value stores, [slots, Hkv, D] each."""

@@ -5,6 +5,8 @@ picks its path from the number of routed tokens. Numerics follow transformers' Q
 On the CPU, one sequence's decode step in fp32 takes a leaner path (`_forward_lone`): the same
 arithmetic, up to rounding, in under a third of the ops, over weight copies laid out for a one-row
 product; there a step's cost is memory traffic plus the fixed cost of each small op.
+`forward_tail` is the same lean path for a few new tokens of one sequence (a speculative draft's
+verification, engine.prompt_lookup): all rows in one product per weight, causal among themselves.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ CPU_ONE_THREAD_MAX_TOKENS = 64
 # decode step's weight copies double the weights' memory, and a big model's step streams enough
 # bytes to gain from every core. Past this many weight bytes the general path runs as before.
 CPU_SMALL_MODEL_MAX_BYTES = 1 << 30
+# The lean CPU forward of a few rows (`forward_tail`) serves at most this many: a decode step's
+# token and a speculative draft behind it.
+LONE_MAX_ROWS = 9
 # Only OpenMP builds of torch change intra-op threads mid-process; elsewhere the call can warn
 # and pin the whole process to the first setting.
 _THREADS_ADJUSTABLE = "OpenMP" in torch.__config__.parallel_info()
@@ -128,6 +133,11 @@ def _inv_rms(x: torch.Tensor, eps: float) -> float:
     """RMSNorm's 1/rms of one fp32 vector, as a Python float (the scaling then rides on a
     product that follows, instead of the ten-odd small ops of a norm)."""
     return 1.0 / math.sqrt(torch.dot(x, x).item() / x.shape[0] + eps)
+
+
+def _inv_rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's 1/rms of each row of fp32 x [n, H], as [n, 1]."""
+    return torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()[:, None]
 
 
 class Qwen3MoeModel:
@@ -252,6 +262,63 @@ class Qwen3MoeModel:
                 gate, up = torch.mv(lone.gate_up[expert], h).view(2, -1)
                 x = torch.addmv(x, lone.down[expert], F.silu(gate).mul_(up), alpha=weight)
         return torch.mv(self._lone_lm_head, x * _inv_rms(x, eps)).view(1, 1, -1)
+
+    @torch.inference_mode()
+    def forward_tail(self, tokens: list[int], position: int, cache) -> torch.Tensor | None:
+        """Logits [n, V] of every one of one sequence's n new tokens at positions position..
+        (the end of its cache), by a lean CPU forward in the spirit of `_forward_lone`; None where
+        that path does not apply (the caller then runs `forward`). Verifies a speculative draft:
+        the weights are read once for all rows, so n rows cost far less than n decode steps."""
+        if len(tokens) > LONE_MAX_ROWS or not self._lone_path_applies():
+            return None
+        rows = getattr(cache, "lone_rows", lambda *_: None)(position, len(tokens))
+        if rows is None:
+            return None
+        with _one_thread():
+            return self._forward_rows(tokens, position, cache, *rows)
+
+    def _forward_rows(self, tokens: list[int], position: int, cache, slots: torch.Tensor, runs) -> torch.Tensor:
+        """`_forward_lone` for n rows: products as x [n, in] @ W [in, out] on the same weight
+        copies, each chosen expert read once for the rows routed to it, causal attention among
+        the new rows. Differs from the general path only in rounding."""
+        cfg = self.config
+        eps, d, n_q = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads
+        n_qk = n_q + cfg.num_kv_heads  # q and k heads
+        n = len(tokens)
+        self.prepare_lone_decode()
+        rope = torch.stack([ref.rope_matrix(p, self.inv_freq) for p in range(position, position + n)])
+        x = self.embed[torch.tensor(tokens)]  # [n, H], a copy
+        for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
+            h = x * _inv_rms_rows(x, eps)
+            qkv = torch.addmm(lone.b_qkv, h, lone.w_qkv.t()).view(n, -1, d)  # [n, heads, D]
+            qk = qkv[:, :n_qk]
+            inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
+            qk = torch.bmm(torch.mul(qk, lone.qk_norm).mul_(inv_rms[..., None]), rope)
+            keys, values = cache.layer_stores(index)
+            keys.index_copy_(0, slots, qk[:, n_q:])
+            values.index_copy_(0, slots, qkv[:, n_qk:])
+            out = ref.attention_rows(qk[:, :n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
+            x = torch.addmm(x, out.reshape(n, -1), lone.w_o.t())
+            if layer.b_o is not None:
+                x = x + layer.b_o
+            if layer.router is None:
+                h = ref.rms_norm(x, layer.post_attention_norm, eps)
+                x = x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
+                continue
+            # MoE: rows grouped by expert, so each chosen expert's weights are read once.
+            h = x * _inv_rms_rows(x, eps)
+            routed: dict[int, tuple[list[int], list[float]]] = {}
+            for row, logits in enumerate(torch.mm(h, lone.router.t()).tolist()):
+                for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
+                    rows, weights = routed.setdefault(expert, ([], []))
+                    rows.append(row)
+                    weights.append(weight)
+            for expert, (rows, weights) in routed.items():
+                every = len(rows) == n  # no gather or scatter
+                gate, up = torch.mm(h if every else h[rows], lone.gate_up[expert].t()).chunk(2, dim=-1)
+                y = torch.mm(F.silu(gate).mul_(up), lone.down[expert].t()).mul_(torch.tensor(weights)[:, None])
+                x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
+        return torch.mm(x * _inv_rms_rows(x, eps), self._lone_lm_head.t())
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config

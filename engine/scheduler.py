@@ -6,6 +6,11 @@ one prefill chunk (interactive completions before warm-ups) and one batched deco
 every decoding sequence. A long cold prompt therefore delays running decodes by at most one
 chunk, and a warm-up never delays a completion's prefill.
 
+A lone greedy sequence on the CPU decodes speculatively (`speculative`): a prompt-lookup draft
+(engine.prompt_lookup) is verified by one lean forward over [last token] + draft, and the tokens
+greedy decoding would have produced go out one by one through the usual output path; K/V
+written for rejected draft tokens lie past `computed` and are never read.
+
 Requests finish with an event; text arrives as delta events. Events are delivered through the
 request's callback, from the engine thread.
 """
@@ -24,8 +29,9 @@ import torch
 
 from engine.block_allocator import BlockAllocator, PoolExhausted
 from engine.kv_pool import KVPool, PagedBatch
-from engine.model import Qwen3MoeModel
+from engine.model import LONE_MAX_ROWS, Qwen3MoeModel
 from engine.output import OutputAssembler
+from engine.prompt_lookup import draft
 from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
@@ -75,6 +81,7 @@ class _Active:
     table: BlockTable | None = None
     tokens: list[int] = field(default_factory=list)  # prompt, then generated tokens
     computed: int = 0  # tokens whose K/V are in the pool
+    room: int = 0  # tokens the blocks taken at admission hold (prompt, forced text, budget)
     cached: int = 0  # prompt tokens served from the prefix cache
     output: OutputAssembler | None = None
     generator: torch.Generator | None = None
@@ -104,6 +111,7 @@ class Engine:
         salt: str = "",
         prefix_cache: bool = True,
         cuda_graphs: bool = True,
+        speculative: bool = True,
     ):
         cfg = model.config
         self.model = model
@@ -125,6 +133,8 @@ class Engine:
         )
         self.allocator = BlockAllocator(num_blocks, block_size, salt=salt)
         self.prefix_cache = prefix_cache  # off: every prompt is computed cold (for comparisons)
+        # Prompt-lookup drafts for a lone greedy sequence, where the lean CPU path applies.
+        self.speculative = speculative
         # Ids past the tokenizer's vocabulary (a checkpoint's padded embedding rows) never sample.
         self.vocab_limit = tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None
         model.prepare_lone_decode()  # CPU: at engine start, not in the first completion
@@ -143,7 +153,8 @@ class Engine:
         self._order = itertools.count()
         self.waiting: list[_Active] = []
         self.running: list[_Active] = []
-        self.counters = dict(requests=0, completed=0, cancelled=0, failed=0, prompt_tokens=0, cache_hit_tokens=0)
+        self.counters = dict(requests=0, completed=0, cancelled=0, failed=0, prompt_tokens=0, cache_hit_tokens=0,
+                             draft_tokens=0, draft_accepted=0)
         self._stop = False
 
     # -- public, any thread ---------------------------------------------------------------------
@@ -171,6 +182,7 @@ class Engine:
             block_size=self.block_size,
             kv_bytes_per_token=self.pool.bytes_per_token(),
             prefix_cache=self.prefix_cache,
+            speculative=self.speculative,
             kv_format="fp8_e4m3" if self.pool.fp8 else str(self.model.dtype).removeprefix("torch."),
             waiting=len(self.waiting),
             running=len(self.running),
@@ -327,6 +339,7 @@ class Engine:
             a.table.prepare_write(cached, cached + 1)  # copy it now, while the block is counted
         a.tokens = list(prompt)
         a.computed = a.cached = cached
+        a.room = total
         a.started = time.monotonic()
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cache_hit_tokens"] += a.cached
@@ -372,6 +385,8 @@ class Engine:
         self._accept(a, logits[0, -1], first=True, greedy_token=greedy)
 
     def _decode_step(self, batch: list[_Active]) -> None:
+        if len(batch) == 1 and self._speculative_step(batch[0]):
+            return
         device = self.model.device
         for a in batch:
             a.table.prepare_write(a.computed, a.computed + 1)
@@ -387,6 +402,38 @@ class Engine:
         for i, a in enumerate(batch):
             a.computed += 1
             self._accept(a, logits[i], greedy_token=greedy[i] if greedy is not None else None)
+
+    def _speculative_step(self, a: _Active) -> bool:
+        """One verify forward of [last token] + a prompt-lookup draft; False (nothing done) where
+        speculation does not apply. Token by token, exactly as plain greedy steps would: row j's
+        logits give the next token through `_accept`; the next row counts only if its input, the
+        draft's token j, is that token. `computed` grows by the rows whose input was right, so
+        K/V of rejected rows (past it) are never read, nor registered in the prefix cache."""
+        req = a.request
+        if (not self.speculative or self.graphs is not None or req.temperature >= GREEDY_BELOW
+                or (a.forcing is not None and a.forcing.active)):
+            return False
+        start = a.computed
+        # Within the blocks taken at admission, and no more than the output can still take
+        # (the rows' tokens plus the bonus token).
+        remaining = a.output.max_tokens - a.output.completion_tokens
+        proposal = draft(a.tokens, min(LONE_MAX_ROWS - 1, a.room - start - 1, remaining - 1))
+        if not proposal:
+            return False
+        rows = [a.tokens[-1]] + proposal
+        a.table.prepare_write(start, start + len(rows))
+        view = PagedBatch(self.pool, [a.table.blocks], self.model.device)
+        logits = self.model.forward_tail(rows, start, view)
+        if logits is None:
+            return False
+        self.counters["draft_tokens"] += len(proposal)
+        for j in range(len(rows)):
+            a.computed = start + j + 1
+            self._accept(a, logits[j])
+            if a.output.finished or j == len(proposal) or a.tokens[-1] != proposal[j]:
+                break
+            self.counters["draft_accepted"] += 1
+        return True
 
     def _accept(self, a: _Active, logits: torch.Tensor, first: bool = False,
                 greedy_token: int | torch.Tensor | None = None) -> None:

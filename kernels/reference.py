@@ -165,6 +165,26 @@ def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
     return _probs_times_value_runs(probs, value_runs).view(q.shape)
 
 
+def attention_rows(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
+    """`attention_lone` for the last n positions of one sequence, causal among them: row j sees
+    keys 0..S-n+j. q [n, Hq, D] with the softmax scale in it; runs [n_i, Hkv, D] cover 0..S-1.
+    Returns [n, Hq, D]."""
+    n, n_q, head_dim = q.shape
+    n_kv = key_runs[0].shape[1]
+    qg = q.transpose(0, 1).reshape(n_kv, -1, head_dim)  # per KV head: its query heads' rows, n each
+    scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
+    scores = scores.masked_fill(_tail_mask(n, scores.shape[-1], n_q // n_kv, q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return _probs_times_value_runs(probs, value_runs).view(n_q, n, head_dim).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=4)  # built once per forward, read by every layer
+def _tail_mask(n: int, seq: int, group: int, device: torch.device) -> torch.Tensor:
+    """[group * n, S]: True at the keys after each of the last n rows (a group's rows repeat)."""
+    hidden = torch.arange(seq, device=device)[None] > torch.arange(seq - n, seq, device=device)[:, None]
+    return hidden.repeat(group, 1)
+
+
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
     """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
     descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""

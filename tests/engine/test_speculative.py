@@ -1,0 +1,235 @@
+"""Prompt-lookup speculative decoding: the lean forward of a few rows against the general path,
+the drafts, and the engine's output with speculation on against plain greedy decoding."""
+
+import pytest
+import torch
+
+from engine.fim import build_fim_prompt
+from engine.kv_pool import KVPool, PagedBatch
+from engine.loader import load_model
+from engine.models import default_model_dir
+from engine.prompt_lookup import draft
+from engine.random_model import TINY, random_model
+from engine.scheduler import Engine, Request
+from engine.tokenizer import Tokenizer
+
+REPETITIVE = "self.x = x\nself.y = y\nself.z = z\n" * 6 + "self.x = x\nself."
+CODE = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n    return "
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# -- the lean forward of a few rows ------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
+def test_forward_tail_matches_the_general_path(variant):
+    config = dict(TINY, vocab_size=512)
+    if variant == "dense_and_untied":
+        config.update(mlp_only_layers=[0], tie_word_embeddings=False)
+    model = random_model(config, dtype=torch.float32, seed=3)
+    if variant == "bias":
+        g = torch.Generator().manual_seed(4)
+        for layer in model.layers:
+            layer.b_qkv = 0.1 * torch.randn(layer.w_qkv.shape[0], generator=g)
+            layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
+    c = model.config
+    table = [5, 2, 3, 0, 4]  # out of order: the keys lie in several runs of slots
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (1, 20), generator=g).tolist()[0]
+    for prompt, rows in ((7, 2), (7, 9), (3, 5), (1, 9)):
+        pools = [KVPool(c.num_layers, 6, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu") for _ in range(2)]
+        for pool in pools:
+            model.forward(torch.tensor([ids[:prompt]]), torch.arange(prompt)[None], PagedBatch(pool, [table], "cpu"))
+        new = ids[prompt : prompt + rows]
+        lean = model.forward_tail(new, prompt, PagedBatch(pools[0], [table], "cpu"))
+        general = model.forward(torch.tensor([new]), torch.arange(prompt, prompt + rows)[None],
+                                PagedBatch(pools[1], [table], "cpu"))[0]
+        assert lean.shape == general.shape == (rows, c.vocab_size)
+        assert _rel(lean, general) < 1e-5
+        assert torch.equal(lean.argmax(-1), general.argmax(-1))
+        for store in ("keys", "values"):  # the same K/V written at the same slots
+            for a, b in zip(getattr(pools[0], store), getattr(pools[1], store)):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+                assert (a != 0).any()
+
+
+def test_forward_tail_declines_where_it_does_not_apply():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=6)
+    c = model.config
+    pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    assert model.forward_tail(list(range(10)), 0, PagedBatch(pool, [[0, 1, 2]], "cpu")) is None  # too many rows
+    assert model.forward_tail([1, 2], 0, PagedBatch(pool, [[0], [1]], "cpu")) is None  # two sequences
+    fp8 = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
+    assert model.forward_tail([1, 2], 0, PagedBatch(fp8, [[0]], "cpu")) is None
+    model.lone_decode = False
+    assert model.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
+
+
+def test_forward_tail_on_the_shipped_model():
+    d = default_model_dir()
+    model, tok = load_model(d), Tokenizer.from_dir(d)
+    c = model.config
+    ids = tok.encode(CODE)
+    table = [3, 0, 7, 1, 2]
+    pools = [KVPool(c.num_layers, 8, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu") for _ in range(2)]
+    start = len(ids) - 6
+    for pool in pools:
+        model.forward(torch.tensor([ids[:start]]), torch.arange(start)[None], PagedBatch(pool, [table], "cpu"))
+    lean = model.forward_tail(ids[start:], start, PagedBatch(pools[0], [table], "cpu"))
+    general = model.forward(torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None],
+                            PagedBatch(pools[1], [table], "cpu"))[0]
+    assert _rel(lean, general) < 1e-5
+    assert torch.equal(lean.argmax(-1), general.argmax(-1))
+
+
+# -- drafts -----------------------------------------------------------------------------------------
+
+def test_draft_copies_what_followed_the_most_recent_match():
+    seq = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+    assert draft(seq, 3, (4, 3)) == [5, 6, 7]  # the later of two occurrences
+    assert draft(seq, 8, (4,)) == [5, 6, 7, 8, 1, 2, 3, 4]
+    assert draft([1, 2, 3, 1, 2, 3], 8, (3,)) == [1, 2, 3]  # runs up to the end of the sequence
+    assert draft([5, 6, 7, 8], 4, (3, 2)) == []  # no earlier occurrence
+    assert draft([7, 1, 7], 4, (2,)) == []
+    assert draft([7, 1, 7], 4, (1,)) == [1, 7]
+    assert draft(seq, 0, (4,)) == []
+
+
+# -- the engine: speculation on against off -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    path = checkpoint_factory()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    d = default_model_dir()
+    return load_model(d), Tokenizer.from_dir(d)
+
+
+def run(engine, request):
+    events = []
+    engine.submit(request, events.append)
+    engine.run_until_idle()
+    return "".join(e.text for e in events if e.kind == "delta"), events[-1]
+
+
+def generated_tokens(engine, request):
+    """Text, done event, and the tokens (prompt and output) the request ended with."""
+    seen = {}
+    release = engine._release
+    engine._release = lambda a: (seen.setdefault("tokens", (list(a.tokens), a.computed)), release(a))[1]
+    try:
+        text, done = run(engine, request)
+    finally:
+        engine._release = release
+    return text, done, seen["tokens"]
+
+
+def both(model, tok, request_args, **engine_args):
+    """The same request through a plain and a speculative engine: (text, event, tokens) each, and
+    the speculative engine's stats."""
+    out = []
+    for speculative in (False, True):
+        engine = Engine(model, tok, num_blocks=64, block_size=8, speculative=speculative, **engine_args)
+        out.append(generated_tokens(engine, Request(**request_args)))
+    return out[0], out[1], engine.stats()
+
+
+def assert_same(plain, spec):
+    (p_text, p_done, p_tokens), (s_text, s_done, s_tokens) = plain, spec
+    assert s_tokens[0] == p_tokens[0]
+    assert s_text == p_text
+    assert s_done.finish_reason == p_done.finish_reason
+    assert s_done.usage["completion_tokens"] == p_done.usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "shipped"])
+@pytest.mark.parametrize("text", [REPETITIVE, CODE, "import os\nimport sys\nimport os.path\n"])
+def test_speculation_gives_the_plain_greedy_tokens(request, model_name, text):
+    model, tok = request.getfixturevalue(model_name)
+    plain, spec, stats = both(model, tok, dict(prompt_ids=tok.encode(text), max_tokens=40, stop_at_eos=False))
+    assert_same(plain, spec)
+    assert spec[1].usage["completion_tokens"] == 40
+    if text == REPETITIVE:
+        assert stats["draft_accepted"] > 0
+
+
+def test_drafts_are_accepted_and_rejected(shipped):
+    model, tok = shipped
+    _, _, stats = both(model, tok, dict(prompt_ids=tok.encode(REPETITIVE), max_tokens=40, stop_at_eos=False))
+    assert stats["draft_accepted"] >= 20  # the repeated lines come from drafts
+    _, _, stats = both(model, tok, dict(prompt_ids=tok.encode(CODE), max_tokens=40, stop_at_eos=False))
+    assert stats["draft_accepted"] < stats["draft_tokens"]
+
+
+def test_max_tokens_reached_anywhere_in_a_draft(shipped):
+    model, tok = shipped
+    prompt = tok.encode(REPETITIVE)
+    for max_tokens in range(1, 20):
+        plain, spec, stats = both(model, tok, dict(prompt_ids=prompt, max_tokens=max_tokens, stop_at_eos=False))
+        assert_same(plain, spec)
+        assert spec[1].finish_reason == "length" and spec[1].usage["completion_tokens"] == max_tokens
+        assert len(spec[2][0]) == len(prompt) + max_tokens  # nothing past the end was taken
+    assert stats["draft_accepted"] > 0
+
+
+def test_stop_strings_inside_an_accepted_draft(shipped):
+    model, tok = shipped
+    prompt = tok.encode(REPETITIVE)
+    full, _ = run(Engine(model, tok, speculative=False), Request(prompt, max_tokens=30, stop_at_eos=False))
+    assert len(full) > 30
+    stops = {full[i : i + 3] for i in range(1, 30, 2)} | {"= ", "\n", full[-2:]}
+    for stop in stops:
+        plain, spec, _ = both(model, tok, dict(prompt_ids=prompt, max_tokens=30, stop=(stop,), stop_at_eos=False))
+        assert_same(plain, spec)
+        assert stop not in spec[0] and spec[1].finish_reason == "stop"
+
+
+def test_eos_inside_a_draft(shipped, monkeypatch):
+    model, tok = shipped
+    prompt = tok.encode(REPETITIVE)
+    _, _, (tokens, _) = generated_tokens(Engine(model, tok, speculative=False),
+                                         Request(prompt, max_tokens=20, stop_at_eos=False))
+    output, eos_ids = tokens[len(prompt):], tuple(tok.eos_ids)
+    for k in (3, 6, 9, 12):
+        # A token the completion writes counts as an end of text: it ends wherever it lands.
+        monkeypatch.setattr(tok, "eos_ids", eos_ids + (output[k],))
+        plain, spec, _ = both(model, tok, dict(prompt_ids=prompt, max_tokens=20))
+        assert_same(plain, spec)
+        assert spec[1].finish_reason == "eos" and spec[1].usage["completion_tokens"] == output.index(output[k])
+
+
+def test_healing_then_speculation(shipped):
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, REPETITIVE[:-5], "\n", "spm", heal=True)
+    args = dict(prompt_ids=prompt, max_tokens=24, forced_text="self.", stop=("\n",))
+    plain, spec, stats = both(model, tok, args)
+    assert_same(plain, spec)
+
+
+def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
+    model, tok = shipped
+    prompt = tok.encode(REPETITIVE)
+    cold, _ = run(Engine(model, tok, speculative=False, prefix_cache=False),
+                  Request(prompt, max_tokens=30, stop_at_eos=False))
+
+    engine = Engine(model, tok, num_blocks=64, block_size=8, speculative=True)
+    run(engine, Request(prompt[:-3], warm_only=True))  # a partly filled last block
+    text, done, (tokens, computed) = generated_tokens(engine, Request(prompt, max_tokens=30, stop_at_eos=False))
+    assert done.usage["cached_tokens"] == len(prompt) - 3 and (len(prompt) - 3) % 8
+    assert text == cold
+    assert engine.stats()["draft_accepted"] > 0
+    assert computed == len(tokens) - 1
+
+    # A follow-up reuses the finished request's cached K/V (the generated ones too), then
+    # diverges inside a block whose later slots held K/V of rejected draft tokens.
+    follow = tokens[:computed - 2] + tok.encode(" q")
+    _, hit = run(engine, Request(follow, max_tokens=1, return_logits=True))
+    assert hit.usage["cached_tokens"] >= computed - 2 - 8 and hit.usage["cached_tokens"] > len(prompt)
+    _, fresh = run(Engine(model, tok, prefix_cache=False), Request(follow, max_tokens=1, return_logits=True))
+    assert _rel(hit.logits, fresh.logits) < 1e-5
