@@ -154,7 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
     salt = f"random:{args.random_shape}:{args.random_seed}" if args.random_shape else str(model_dir.resolve())
     engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
                     kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device), prefill_chunk=args.prefill_chunk,
-                    salt=f"{salt}:{model.dtype}", prefix_cache=not args.no_prefix_cache)
+                    salt=f"{salt}:{model.dtype}", prefix_cache=not args.no_prefix_cache,
+                    speculative=not args.no_speculative)
     token = None
     if args.tcp_port is not None:
         token = os.environ.get("WD_ENGINE_TOKEN") or (Path(args.token_file).read_text().strip() if args.token_file else None)
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
+    serve.add_argument("--no-speculative", action="store_true",
+                       help="decode one token per step, no prompt-lookup drafts (for comparisons)")
     serve.add_argument("--prefill-chunk", type=int,
                        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)

@@ -280,3 +280,17 @@ def test_a_draining_daemon_leaves_its_successors_socket_alone(tmp_path):
     assert not path.exists()
     old.close()
     new.close()
+
+
+async def test_speculative_decoding_is_on_by_default_and_the_flag_turns_it_off(daemon_env):
+    for extra, expected in (((), True), (("--no-speculative",), False)):
+        client = make_client(daemon_env, *extra)
+        info = await connect(daemon_env, client)
+        await collect(client, dict(FIM, max_tokens=8))
+        stats = await client.request("stats")
+        assert stats["speculative"] is expected
+        if not expected:
+            assert stats["draft_tokens"] == 0
+        await client.close()
+        os.kill(info["pid"], signal.SIGTERM)  # the next spawn must start a daemon with its own flags
+        _wait_gone(info["pid"])
