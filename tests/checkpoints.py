@@ -94,3 +94,20 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
     model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model
+
+
+def lone_path_model(variant: str):
+    """A random fp32 model for the lean CPU paths' tests: "moe" (every layer MoE, tied
+    embeddings), "dense_and_untied" (layer 0 dense, an own lm_head) or "bias" (q/k/v and o biases)."""
+    from engine.random_model import TINY, random_model
+
+    config = dict(TINY, vocab_size=512)
+    if variant == "dense_and_untied":
+        config.update(mlp_only_layers=[0], tie_word_embeddings=False)
+    model = random_model(config, dtype=torch.float32, seed=3)
+    if variant == "bias":
+        g = torch.Generator().manual_seed(4)
+        for layer in model.layers:
+            layer.b_qkv = 0.1 * torch.randn(layer.w_qkv.shape[0], generator=g)
+            layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
+    return model

@@ -4,6 +4,7 @@ reference ops it replaces, on fresh random inputs."""
 import pytest
 import torch
 
+from checkpoints import lone_path_model
 from engine.kv_pool import KVPool, PagedBatch
 from engine.random_model import TINY, random_model
 from kernels import reference as ref
@@ -70,15 +71,7 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
 
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
 def test_lone_decode_matches_general_path_paged(variant):
-    config = dict(TINY, vocab_size=512)
-    if variant == "dense_and_untied":
-        config.update(mlp_only_layers=[0], tie_word_embeddings=False)
-    model = random_model(config, dtype=torch.float32, seed=3)
-    if variant == "bias":
-        g = torch.Generator().manual_seed(4)
-        for layer in model.layers:
-            layer.b_qkv = 0.1 * torch.randn(layer.w_qkv.shape[0], generator=g)
-            layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
+    model = lone_path_model(variant)
     c = model.config
     # Blocks out of order, so the keys lie in several runs of slots.
     table = [5, 2, 3, 0]

@@ -4,6 +4,7 @@ the drafts, and the engine's output with speculation on against plain greedy dec
 import pytest
 import torch
 
+from checkpoints import lone_path_model
 from engine.fim import build_fim_prompt
 from engine.kv_pool import KVPool, PagedBatch
 from engine.loader import load_model
@@ -25,15 +26,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
 def test_forward_tail_matches_the_general_path(variant):
-    config = dict(TINY, vocab_size=512)
-    if variant == "dense_and_untied":
-        config.update(mlp_only_layers=[0], tie_word_embeddings=False)
-    model = random_model(config, dtype=torch.float32, seed=3)
-    if variant == "bias":
-        g = torch.Generator().manual_seed(4)
-        for layer in model.layers:
-            layer.b_qkv = 0.1 * torch.randn(layer.w_qkv.shape[0], generator=g)
-            layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
+    model = lone_path_model(variant)
     c = model.config
     table = [5, 2, 3, 0, 4]  # out of order: the keys lie in several runs of slots
     g = torch.Generator().manual_seed(0)
