@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import host_load
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from kernels import dispatch
@@ -33,6 +34,15 @@ CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
 # busy each split op waits for a thread that cannot run (2-core host, cold single-line
 # completion: p50 ~0.2 s on one thread, 1.5-3.7 s on two; a 22-token prefill 38 ms vs 2.5 s).
 CPU_ONE_THREAD_MAX_TOKENS = 64
+# A longer CPU forward (prefill of up to 512 tokens) gains from every thread on a free host
+# (512 tokens: 205 ms on two, 286 on one) but collapses like the short ones when another
+# process holds a core (0.6-6.1 s against 0.32 s). So it keeps all threads only while other
+# processes left a core free for each (engine.host_load), give or take this much of a core;
+# otherwise it runs on one. Where the load is unknown, all threads, as before. Half a core:
+# against a neighbour busy 25% of the time two threads still won (512 tokens: 255 vs 295 ms),
+# at 50% they broke even, at 75% they lost (385 vs 340 ms); a neighbour on a whole core reads
+# 0.8-1.1 busy cores, an idle host 0-0.4 (BENCHMARKS.md).
+CPU_FREE_CORE_MARGIN = 0.5
 # Both CPU measures above are for small models, whose steps are dominated by per-op cost: the lean
 # decode step's weight copies double the weights' memory, and a big model's step streams enough
 # bytes to gain from every core. Past this many weight bytes the general path runs as before.
@@ -121,6 +131,18 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+def _cores_free_for_threads() -> bool:
+    """Whether other processes left a core free for each intra-op thread (see
+    CPU_FREE_CORE_MARGIN); True where the load is unknown. Asked at every small-model CPU
+    forward, decode steps included, so that while completions run the estimate a prefill reads
+    covers about the last 50 ms (a look costs tens of µs and is reused for 50 ms)."""
+    load = host_load.others_busy_cores() if _THREADS_ADJUSTABLE else None
+    if load is None:
+        return True
+    others, cores = load
+    return others <= max(cores - torch.get_num_threads(), 0) + CPU_FREE_CORE_MARGIN
+
+
 def _weight_bytes(model: "Qwen3MoeModel") -> int:
     tensors = [model.embed, model.lm_head, model.final_norm]
     for layer in model.layers:
@@ -182,7 +204,10 @@ class Qwen3MoeModel:
         K/V of these tokens are written into `cache` at their positions; each query attends to
         every cached key at or before its own position.
         """
-        if not self.small_on_cpu or tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS:
+        if not self.small_on_cpu:
+            return self._forward(tokens, positions, cache, last_only)
+        cores_free = _cores_free_for_threads()  # asked at every forward: keeps the estimate fresh
+        if tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS and cores_free:
             return self._forward(tokens, positions, cache, last_only)
         with _one_thread():
             return self._forward(tokens, positions, cache, last_only)
