@@ -41,7 +41,7 @@ CPU_ONE_THREAD_MAX_TOKENS = 64
 # otherwise it runs on one. Where the load is unknown, all threads, as before. Half a core:
 # against a neighbour busy 25% of the time two threads still won (512 tokens: 255 vs 295 ms),
 # at 50% they broke even, at 75% they lost (385 vs 340 ms); a neighbour on a whole core reads
-# 0.8-1.1 busy cores, an idle host 0-0.4 (BENCHMARKS.md).
+# 0.6-1.1 busy cores, an idle host 0-0.4 (BENCHMARKS.md).
 CPU_FREE_CORE_MARGIN = 0.5
 # Both CPU measures above are for small models, whose steps are dominated by per-op cost: the lean
 # decode step's weight copies double the weights' memory, and a big model's step streams enough
