@@ -36,9 +36,10 @@ CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
 CPU_ONE_THREAD_MAX_TOKENS = 64
 # A longer CPU forward (prefill of up to 512 tokens) gains from every thread on a free host
 # (512 tokens: 205 ms on two, 286 on one) but collapses like the short ones when another
-# process holds a core (0.6-6.1 s against 0.32 s). So it keeps all threads only while other
-# processes left a core free for each (engine.host_load), give or take this much of a core;
-# otherwise it runs on one. Where the load is unknown, all threads, as before. Half a core:
+# process holds a core (0.6-6.1 s against 0.32 s). So it runs on as many threads as other
+# processes left cores free (engine.host_load), give or take this much of a core, at least one:
+# on 2 cores, two threads while others keep at most half a core busy, else one. Where the load
+# is unknown, all threads, as before. Half a core:
 # against a neighbour busy 25% of the time two threads still won (512 tokens: 255 vs 295 ms),
 # at 50% they broke even, at 75% they lost (385 vs 340 ms); a neighbour on a whole core reads
 # 0.6-1.1 busy cores, an idle host 0-0.4 (BENCHMARKS.md).
@@ -117,30 +118,33 @@ def _in_major(w: torch.Tensor, in_scale: torch.Tensor | None = None) -> torch.Te
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS). The
-    engine runs all model work on one thread, whose setting this changes."""
+def _intra_op_threads(count: int = 1):
+    """Torch's intra-op threads set to `count` for the block (see CPU_ONE_THREAD_MAX_TOKENS and
+    CPU_FREE_CORE_MARGIN). The engine runs all model work on one thread, whose setting this changes."""
     threads = torch.get_num_threads()
-    if threads == 1 or not _THREADS_ADJUSTABLE:
+    if threads == count or not _THREADS_ADJUSTABLE:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _cores_free_for_threads() -> bool:
-    """Whether other processes left a core free for each intra-op thread (see
-    CPU_FREE_CORE_MARGIN); True where the load is unknown. Asked at every small-model CPU
+
+def _threads_for_long_forward() -> int:
+    """Intra-op threads for a long small-model CPU forward: the configured number, less those
+    other processes' busy cores would leave without a core (see CPU_FREE_CORE_MARGIN), at
+    least one; the configured number where the load is unknown. Asked at every small-model CPU
     forward, decode steps included, so that while completions run the estimate a prefill reads
     covers about the last 50 ms (a look costs tens of µs and is reused for 50 ms)."""
+    configured = torch.get_num_threads()
     load = host_load.others_busy_cores() if _THREADS_ADJUSTABLE else None
     if load is None:
-        return True
+        return configured
     others, cores = load
-    return others <= max(cores - torch.get_num_threads(), 0) + CPU_FREE_CORE_MARGIN
+    return max(1, min(configured, math.floor(cores - others + CPU_FREE_CORE_MARGIN)))
 
 
 def _weight_bytes(model: "Qwen3MoeModel") -> int:
@@ -206,10 +210,8 @@ class Qwen3MoeModel:
         """
         if not self.small_on_cpu:
             return self._forward(tokens, positions, cache, last_only)
-        cores_free = _cores_free_for_threads()  # asked at every forward: keeps the estimate fresh
-        if tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS and cores_free:
-            return self._forward(tokens, positions, cache, last_only)
-        with _one_thread():
+        threads = _threads_for_long_forward()  # asked at every forward: keeps the estimate fresh
+        with _intra_op_threads(threads if tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS else 1):
             return self._forward(tokens, positions, cache, last_only)
 
     def _forward(self, tokens, positions, cache, last_only):
@@ -299,7 +301,7 @@ class Qwen3MoeModel:
         rows = getattr(cache, "lone_rows", lambda *_: None)(position, len(tokens))
         if rows is None:
             return None
-        with _one_thread():
+        with _intra_op_threads():
             return self._forward_rows(tokens, position, cache, *rows)
 
     def _forward_rows(self, tokens: list[int], position: int, cache, slots: torch.Tensor, runs) -> torch.Tensor:

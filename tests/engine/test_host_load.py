@@ -175,5 +175,18 @@ def test_more_cores_than_threads_leave_room_for_a_neighbour(monkeypatch, two_thr
     assert _threads_in_forward(monkeypatch, (2.8, 4), LONG)[0] == 1
 
 
+def test_a_many_core_host_gives_up_only_the_threads_a_neighbour_takes(monkeypatch):
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("intra-op threads change mid-process only on OpenMP builds of torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert _threads_in_forward(monkeypatch, (1.0, 4), LONG)[0] == 3
+        assert _threads_in_forward(monkeypatch, (0.4, 4), LONG)[0] == 4
+        assert _threads_in_forward(monkeypatch, (3.9, 4), LONG)[0] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_short_forwards_stay_on_one_thread_on_an_idle_host(monkeypatch, two_threads):
     assert _threads_in_forward(monkeypatch, (0.0, 2), 8)[0] == 1
