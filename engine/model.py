@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import host_load
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from kernels import dispatch
@@ -33,6 +34,16 @@ CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
 # busy each split op waits for a thread that cannot run (2-core host, cold single-line
 # completion: p50 ~0.2 s on one thread, 1.5-3.7 s on two; a 22-token prefill 38 ms vs 2.5 s).
 CPU_ONE_THREAD_MAX_TOKENS = 64
+# A longer CPU forward (prefill of up to 512 tokens) gains from every thread on a free host
+# (512 tokens: 205 ms on two, 286 on one) but collapses like the short ones when another
+# process holds a core (0.6-6.1 s against 0.32 s). So it runs on as many threads as other
+# processes left cores free (engine.host_load), give or take this much of a core, at least one:
+# on 2 cores, two threads while others keep at most half a core busy, else one. Where the load
+# is unknown, all threads, as before. Half a core:
+# against a neighbour busy 25% of the time two threads still won (512 tokens: 255 vs 295 ms),
+# at 50% they broke even, at 75% they lost (385 vs 340 ms); a neighbour on a whole core reads
+# 0.6-1.1 busy cores, an idle host 0-0.4 (BENCHMARKS.md).
+CPU_FREE_CORE_MARGIN = 0.5
 # Both CPU measures above are for small models, whose steps are dominated by per-op cost: the lean
 # decode step's weight copies double the weights' memory, and a big model's step streams enough
 # bytes to gain from every core. Past this many weight bytes the general path runs as before.
@@ -107,18 +118,33 @@ def _in_major(w: torch.Tensor, in_scale: torch.Tensor | None = None) -> torch.Te
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Torch's intra-op threads set to one for the block (see CPU_ONE_THREAD_MAX_TOKENS). The
-    engine runs all model work on one thread, whose setting this changes."""
+def _intra_op_threads(count: int = 1):
+    """Torch's intra-op threads set to `count` for the block (see CPU_ONE_THREAD_MAX_TOKENS and
+    CPU_FREE_CORE_MARGIN). The engine runs all model work on one thread, whose setting this changes."""
     threads = torch.get_num_threads()
-    if threads == 1 or not _THREADS_ADJUSTABLE:
+    if threads == count or not _THREADS_ADJUSTABLE:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+
+def _threads_for_long_forward() -> int:
+    """Intra-op threads for a long small-model CPU forward: the configured number, less those
+    other processes' busy cores would leave without a core (see CPU_FREE_CORE_MARGIN), at
+    least one; the configured number where the load is unknown. Asked at every small-model CPU
+    forward, decode steps included, so that while completions run the estimate a prefill reads
+    covers about the last 50 ms (a look costs tens of µs and is reused for 50 ms)."""
+    configured = torch.get_num_threads()
+    load = host_load.others_busy_cores() if _THREADS_ADJUSTABLE else None
+    if load is None:
+        return configured
+    others, cores = load
+    return max(1, min(configured, math.floor(cores - others + CPU_FREE_CORE_MARGIN)))
 
 
 def _weight_bytes(model: "Qwen3MoeModel") -> int:
@@ -182,9 +208,10 @@ class Qwen3MoeModel:
         K/V of these tokens are written into `cache` at their positions; each query attends to
         every cached key at or before its own position.
         """
-        if not self.small_on_cpu or tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS:
+        if not self.small_on_cpu:
             return self._forward(tokens, positions, cache, last_only)
-        with _one_thread():
+        threads = _threads_for_long_forward()  # asked at every forward: keeps the estimate fresh
+        with _intra_op_threads(threads if tokens.numel() > CPU_ONE_THREAD_MAX_TOKENS else 1):
             return self._forward(tokens, positions, cache, last_only)
 
     def _forward(self, tokens, positions, cache, last_only):
@@ -274,7 +301,7 @@ class Qwen3MoeModel:
         rows = getattr(cache, "lone_rows", lambda *_: None)(position, len(tokens))
         if rows is None:
             return None
-        with _one_thread():
+        with _intra_op_threads():
             return self._forward_rows(tokens, position, cache, *rows)
 
     def _forward_rows(self, tokens: list[int], position: int, cache, slots: torch.Tensor, runs) -> torch.Tensor:

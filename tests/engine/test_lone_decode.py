@@ -128,7 +128,7 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
     model.prepare_lone_decode()
     assert model._lone is None  # no second copy of a big model's weights
     threads_seen = []
-    monkeypatch.setattr(model_module, "_one_thread", lambda: threads_seen.append(1))  # must not be entered
+    monkeypatch.setattr(model_module, "_intra_op_threads", lambda *_: threads_seen.append(1))  # must not be entered
     cache = model.new_cache(1)
     model.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], cache)
     logits = model.forward(torch.tensor([[3]]), torch.tensor([[2]]), cache)
