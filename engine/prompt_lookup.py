@@ -31,3 +31,16 @@ def draft(tokens: list[int], max_len: int = MAX_DRAFT, ngram_sizes: tuple[int, .
             if tokens[i] == last and tokens[i - n + 1:i + 1] == tail:
                 return tokens[i + 1:i + 1 + max_len]
     return []
+
+
+def writable_prefix(proposal: list[int], never: frozenset[int] | set[int], ending: frozenset[int] | set[int]) -> list[int]:
+    """The part of a draft decoding could write: up to (not including) the first token it never
+    samples, and up to (including) the first that ends the output. An SPM prompt's prefix runs
+    into `<|fim_middle|>`, so a match near the cursor would otherwise draft a control token and
+    pay for rows that cannot be accepted."""
+    for i, token in enumerate(proposal):
+        if token in never:
+            return proposal[:i]
+        if token in ending:
+            return proposal[:i + 1]
+    return proposal

@@ -31,7 +31,7 @@ from engine.block_allocator import BlockAllocator, PoolExhausted
 from engine.kv_pool import KVPool, PagedBatch
 from engine.model import LONE_MAX_ROWS, Qwen3MoeModel
 from engine.output import OutputAssembler
-from engine.prompt_lookup import draft
+from engine.prompt_lookup import draft, writable_prefix
 from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
@@ -137,6 +137,9 @@ class Engine:
         self.speculative = speculative
         # Ids past the tokenizer's vocabulary (a checkpoint's padded embedding rows) never sample.
         self.vocab_limit = tokenizer.vocab_size if tokenizer.vocab_size < cfg.vocab_size else None
+        # Draft tokens greedy decoding never writes are cut off; an ending token ends a draft.
+        never = set(tokenizer.unsampled_ids) | set(range(self.vocab_limit or cfg.vocab_size, cfg.vocab_size))
+        self._never_drafted, self._ending_ids = frozenset(never), frozenset(tokenizer.eos_ids)
         model.prepare_lone_decode()  # CPU: at engine start, not in the first completion
         self.graphs = None  # CUDA: decode steps and short prompt tails replay captured graphs
         if cuda_graphs and model.device.type == "cuda" and cfg.sliding_window is None:
@@ -418,6 +421,7 @@ class Engine:
         # (the rows' tokens plus the bonus token).
         remaining = a.output.max_tokens - a.output.completion_tokens
         proposal = draft(a.tokens, min(LONE_MAX_ROWS - 1, a.room - start - 1, remaining - 1))
+        proposal = writable_prefix(proposal, self._never_drafted, self._ending_ids if req.stop_at_eos else ())
         if not proposal:
             return False
         rows = [a.tokens[-1]] + proposal

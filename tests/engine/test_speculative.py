@@ -9,7 +9,7 @@ from engine.fim import build_fim_prompt
 from engine.kv_pool import KVPool, PagedBatch
 from engine.loader import load_model
 from engine.models import default_model_dir
-from engine.prompt_lookup import draft
+from engine.prompt_lookup import draft, writable_prefix
 from engine.random_model import TINY, random_model
 from engine.scheduler import Engine, Request
 from engine.tokenizer import Tokenizer
@@ -88,6 +88,15 @@ def test_draft_copies_what_followed_the_most_recent_match():
     assert draft([7, 1, 7], 4, (2,)) == []
     assert draft([7, 1, 7], 4, (1,)) == [1, 7]
     assert draft(seq, 0, (4,)) == []
+
+
+def test_a_draft_stops_where_decoding_could_not_follow():
+    never, ending = {2, 3}, {0}
+    assert writable_prefix([7, 8, 2, 9], never, ending) == [7, 8]  # a control token is never written
+    assert writable_prefix([7, 0, 9], never, ending) == [7, 0]  # an ending token ends the output
+    assert writable_prefix([7, 0, 9], never, ()) == [7, 0, 9]  # unless the request ignores EOS
+    assert writable_prefix([3, 7], never, ending) == []
+    assert writable_prefix([7, 8], never, ending) == [7, 8]
 
 
 # -- the engine: speculation on against off -----------------------------------------------------------
@@ -226,3 +235,21 @@ def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
     assert hit.usage["cached_tokens"] >= computed - 2 - 8 and hit.usage["cached_tokens"] > len(prompt)
     _, fresh = run(Engine(model, tok, prefix_cache=False), Request(follow, max_tokens=1, return_logits=True))
     assert _rel(hit.logits, fresh.logits) < 1e-5
+
+
+def test_an_spm_prompt_never_drafts_its_control_tokens(shipped):
+    """In an SPM prompt the prefix runs into <|fim_middle|>: a match near the cursor copies it
+    unless the draft is cut there (rows that could never be accepted)."""
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n", "spm")
+    drafted = []
+    engine = Engine(model, tok, speculative=True)
+    verify = model.forward_tail
+    try:
+        model.forward_tail = lambda rows, *a: (drafted.append(rows[1:]), verify(rows, *a))[1]
+        spec = generated_tokens(engine, Request(prompt, max_tokens=24, stop_at_eos=False))
+    finally:
+        del model.forward_tail
+    plain = generated_tokens(Engine(model, tok, speculative=False), Request(prompt, max_tokens=24, stop_at_eos=False))
+    assert_same(plain, spec)
+    assert drafted and not any(set(d) & set(tok.unsampled_ids) for d in drafted)
