@@ -132,7 +132,6 @@ def _intra_op_threads(count: int = 1):
         torch.set_num_threads(threads)
 
 
-
 def _threads_for_long_forward() -> int:
     """Intra-op threads for a long small-model CPU forward: the configured number, less those
     other processes' busy cores would leave without a core (see CPU_FREE_CORE_MARGIN), at
