@@ -26,6 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         if args.moe_path:
             model.moe_path = args.moe_path
+        set_cpu_decode_weights(model, args.cpu_decode_weights)
         model.prepare_lone_decode()  # CPU: the decode step's weight copies, counted as load, not decode
         load_s = time.perf_counter() - t0
         if args.fim_prefix is not None or args.fim_suffix is not None:
@@ -100,6 +101,19 @@ def _random_model(args: argparse.Namespace):
     return model
 
 
+def set_cpu_decode_weights(model, form: str) -> None:
+    """The weights the lean CPU decode step streams (engine.lone_matrices): int8 where this
+    torch has the product, else fp32."""
+    import logging
+
+    from engine.lone_matrices import int8_available
+
+    if form == "int8" and not int8_available():
+        logging.getLogger("wd_engine").warning("this torch has no int8 weight-only product: CPU decode steps use fp32 weights")
+        form = "fp32"
+    model.lone_weights = form
+
+
 def set_moe_path(model, path: str) -> None:
     """`auto`: the model's own choice (on CUDA the Triton dispatcher: warp decode for a few
     tokens, expert-centric for many). An explicit path is forced for every MoE layer: the torch
@@ -144,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             model = load_model(model_dir, dtype=args.dtype, device=args.device)
         set_moe_path(model, args.moe_path)
+        set_cpu_decode_weights(model, args.cpu_decode_weights)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         log.info("loaded %s in %.0f ms on %s (%s, MoE path %s)", name, 1000 * (time.perf_counter() - t0),
                  args.device, model.dtype, args.moe_path)
@@ -224,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
+    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), default="int8",
+                    help="weights of the CPU's one-sequence decode step: int8 (default) streams a quarter of "
+                    "fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 matches prefill's arithmetic")
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
@@ -250,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
     serve.add_argument("--no-speculative", action="store_true",
                        help="decode one token per step, no prompt-lookup drafts (for comparisons)")
+    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), default="int8",
+                    help="weights of the CPU's one-sequence decode step: int8 (default) streams a quarter of "
+                    "fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 matches prefill's arithmetic")
     serve.add_argument("--prefill-chunk", type=int,
                        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)

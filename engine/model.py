@@ -2,9 +2,11 @@
 
 One `forward` serves prefill (many tokens) and decode (one token per sequence); the MoE layer
 picks its path from the number of routed tokens. Numerics follow transformers' Qwen3-MoE.
-On the CPU, one sequence's decode step in fp32 takes a leaner path (`_forward_lone`): the same
-arithmetic, up to rounding, in under a third of the ops, over weight copies laid out for a one-row
-product; there a step's cost is memory traffic plus the fixed cost of each small op.
+On the CPU, one sequence's decode step of an fp32 model takes a leaner path (`_forward_lone`):
+the same arithmetic in under a third of the ops, over weight copies made for a one-row product
+(int8 by default, so a quarter of the bytes to stream, or fp32, which differs from the general
+path in rounding alone: `lone_weights`, engine.lone_matrices); there a step's cost is memory
+traffic plus the fixed cost of each small op.
 `forward_tail` is the same lean path for a few new tokens of one sequence (a speculative draft's
 verification, engine.prompt_lookup): all rows in one product per weight, causal among themselves.
 """
@@ -18,11 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import host_load
+from engine import host_load, lone_matrices
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from kernels import dispatch
 from kernels import reference as ref
+
+LoneMatrix = lone_matrices.Fp32Matrix | lone_matrices.Int8Matrix
 
 MOE_PATHS = ("auto", "expert_centric", "output_centric")
 # On the CPU, reading each routed expert in place (output-centric) wins while few tokens are
@@ -51,6 +55,11 @@ CPU_SMALL_MODEL_MAX_BYTES = 1 << 30
 # The lean CPU forward of a few rows (`forward_tail`) serves at most this many: a decode step's
 # token and a speculative draft behind it.
 LONE_MAX_ROWS = 9
+# With int8 lone weights, the logits within this much of a step's best are computed again in
+# fp32 (`Qwen3MoeModel._lone_logits`). Over 234 decode steps on held-out files, the int8 lm_head
+# moved the shipped model's logits by at most 0.30 (99.9% under 0.15; a step's logits span ~36),
+# so fp32's best stays among them; a step recomputes a handful.
+LONE_EXACT_MARGIN = 1.0
 # Only OpenMP builds of torch change intra-op threads mid-process; elsewhere the call can warn
 # and pin the whole process to the first setting.
 _THREADS_ADJUSTABLE = "OpenMP" in torch.__config__.parallel_info()
@@ -73,24 +82,20 @@ class LayerWeights:
 
 @dataclass
 class _LoneLayer:
-    """What the lone decode path reads of a layer, prepared once. Each weight matrix it
-    multiplies by is copied contiguous as [in, out] and used through its [out, in] transposed
-    view: MKL's matrix-vector product streams that layout about 1.3-1.8x faster on the CPU than
-    the [out, in] contiguous one (its kernel for that case is slower than memory), at the cost
-    of a second copy of those weights. The RMSNorm weight in front of a product is folded into
-    it, so a norm is one scalar. Derived from the weights when built: weights changed later are
-    not seen (nothing in the engine changes them)."""
+    """What the lone decode path reads of a layer, prepared once: its matrices in the form the
+    model's `lone_weights` names (engine.lone_matrices), each RMSNorm weight in front of a
+    product folded into it, so a norm is one scalar."""
 
     qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
-    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H], input_norm folded in
+    w_qkv: LoneMatrix  # [(Hq + 2 Hkv) D, H], input_norm folded in
     b_qkv: torch.Tensor  # [(Hq + 2 Hkv) D], zeros without a bias
-    w_o: torch.Tensor  # [H, Hq D]
-    router: torch.Tensor | None  # MoE: [E, H], post_attention_norm folded in
-    gate_up: tuple[torch.Tensor, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
-    down: tuple[torch.Tensor, ...]  # MoE, per expert [H, I]
+    w_o: LoneMatrix  # [H, Hq D]
+    router: torch.Tensor | None  # MoE: [E, H] fp32 in every form (routing is brittle), post_attention_norm folded in
+    gate_up: tuple[LoneMatrix, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
+    down: tuple[LoneMatrix, ...]  # MoE, per expert [H, I]
 
     @classmethod
-    def of(cls, layer: LayerWeights, cfg: ModelConfig) -> "_LoneLayer":
+    def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str) -> "_LoneLayer":
         # The scale is exact when D is a power of 4 (64 is): scores come out bit-identical.
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qk_norm = torch.cat([(layer.q_norm * scale).expand(cfg.num_heads, -1),
@@ -99,22 +104,12 @@ class _LoneLayer:
         moe = layer.router is not None
         norm = layer.post_attention_norm
         return cls(
-            qk_norm, _in_major(layer.w_qkv, layer.input_norm), b_qkv, _in_major(layer.w_o),
+            qk_norm, lone_matrices.matrix(form, layer.w_qkv, layer.input_norm), b_qkv,
+            lone_matrices.matrix(form, layer.w_o),
             (layer.router * norm) if moe else None,
-            tuple(_in_major(w, norm) for w in layer.w_gate_up) if moe else (),
-            tuple(_in_major(w) for w in layer.w_down) if moe else (),
+            tuple(lone_matrices.matrix(form, w, norm) for w in layer.w_gate_up) if moe else (),
+            tuple(lone_matrices.matrix(form, w) for w in layer.w_down) if moe else (),
         )
-
-
-def _in_major(w: torch.Tensor, in_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """w [out, in] (times in_scale [in] per column) stored contiguous as [in, out]; the same
-    [out, in] values, as a view. One pass over w: the scaling writes the new layout."""
-    out = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
-    if in_scale is None:
-        out.copy_(w.t())
-    else:
-        torch.mul(w.t(), in_scale[:, None], out=out)
-    return out.t()
 
 
 @contextlib.contextmanager
@@ -187,7 +182,11 @@ class Qwen3MoeModel:
         self.moe_fn = None
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self.lone_decode = True  # False: CPU decode steps run the general path too (comparisons)
+        # The lone path's weights: "int8" (a quarter of fp32's bytes to stream a step, so faster;
+        # engine.lone_matrices) where this torch has the op, else "fp32".
+        self.lone_weights = "int8" if lone_matrices.int8_available() else "fp32"
         self._lone = None  # per-layer `_LoneLayer`, built by `prepare_lone_decode`
+        self._lone_form = None
         self.small_on_cpu = self.device.type == "cpu" and _weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
 
     def new_cache(self, batch: int, capacity: int = 256) -> KVCache:
@@ -241,13 +240,27 @@ class Qwen3MoeModel:
                 and self.moe_path == "auto" and cfg.sliding_window is None)
 
     def prepare_lone_decode(self) -> None:
-        """Build the lone decode path's weight copies now rather than in the first completion's
-        first step (the model shipped: ~0.1-0.2 s, ~120 MB more memory); a no-op where the
-        path does not apply."""
-        if self._lone is None and self._lone_path_applies():
-            self._lone = [_LoneLayer.of(layer, self.config) for layer in self.layers]
-            self._lone_lm_head = _in_major(self.lm_head, self.final_norm)
+        """Build the lone decode path's weight copies (in the form `lone_weights` names) now rather
+        than in the first completion's first step; a no-op where the path does not apply."""
+        if self._lone_path_applies() and (self._lone is None or self._lone_form != self.lone_weights):
+            self._lone = [_LoneLayer.of(layer, self.config, self.lone_weights) for layer in self.layers]
+            self._lone_lm_head = lone_matrices.matrix(self.lone_weights, self.lm_head, self.final_norm)
+            self._lone_form = self.lone_weights
+            self._lone_input = lone_matrices.INPUT_DTYPE[self.lone_weights]
             self._eps = torch.tensor(self.config.rms_norm_eps)
+
+    def _lone_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of normed rows h [n, H] (the final norm's weight not applied yet). With
+        int8 weights, every logit within LONE_EXACT_MARGIN of a row's best is computed again from
+        the fp32 lm_head, so greedy picks as fp32 would unless int8's rounding moved a logit by
+        half the margin; the rest stay int8's (sampling at a temperature sees them)."""
+        logits = self._lone_lm_head.mm(h)
+        if self._lone_form == "fp32":
+            return logits
+        logits = logits.float()
+        rows, cols = torch.nonzero(logits >= logits.amax(dim=-1, keepdim=True) - LONE_EXACT_MARGIN, as_tuple=True)
+        exact = torch.linalg.vecdot(self.lm_head[cols], (h * self.final_norm)[rows])
+        return logits.index_put_((rows, cols), exact)
 
     def _forward_lone(self, token: int, position: int, cache, slot: int, runs) -> torch.Tensor:
         """`forward` for one sequence's one new token at the end of its cache (CPU, fp32).
@@ -264,7 +277,7 @@ class Qwen3MoeModel:
         rope = ref.rope_matrix(position, self.inv_freq)
         x = self.embed[token]  # [H], a view: every update below makes a new tensor
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
-            qkv = torch.addmv(lone.b_qkv, lone.w_qkv, x, alpha=_inv_rms(x, eps)).view(-1, d)  # heads as rows
+            qkv = lone.w_qkv.addmv(lone.b_qkv, x, alpha=_inv_rms(x, eps)).view(-1, d)  # heads as rows
             # q and k heads: one norm (weights per head row), then RoPE for all of them at once.
             qk = qkv[: n_qk // d]
             inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
@@ -273,7 +286,7 @@ class Qwen3MoeModel:
             keys[slot].copy_(qk[n_q:])
             values[slot].copy_(qkv[n_qk // d :])
             out = ref.attention_lone(qk[:n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            x = torch.addmv(x, lone.w_o, out.view(-1))  # the residual add inside the product
+            x = lone.w_o.addmv(x, out.view(-1))  # the residual add inside the product
             if layer.b_o is not None:
                 x = x + layer.b_o
             if layer.router is None:
@@ -284,10 +297,11 @@ class Qwen3MoeModel:
             # added into the residual with its routing weight inside the product.
             h = x * _inv_rms(x, eps)  # the norm's weight is in the router and expert copies
             logits = torch.mv(lone.router, h).tolist()
+            h = h.to(self._lone_input)  # once for both experts
             for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-                gate, up = torch.mv(lone.gate_up[expert], h).view(2, -1)
-                x = torch.addmv(x, lone.down[expert], F.silu(gate).mul_(up), alpha=weight)
-        return torch.mv(self._lone_lm_head, x * _inv_rms(x, eps)).view(1, 1, -1)
+                gate, up = lone.gate_up[expert].mv(h).view(2, -1)
+                x = lone.down[expert].addmv(x, F.silu(gate).mul_(up), alpha=weight)
+        return self._lone_logits((x * _inv_rms(x, eps))[None]).view(1, 1, -1)
 
     @torch.inference_mode()
     def forward_tail(self, tokens: list[int], position: int, cache) -> torch.Tensor | None:
@@ -316,7 +330,7 @@ class Qwen3MoeModel:
         x = self.embed[torch.tensor(tokens)]  # [n, H], a copy
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
             h = x * _inv_rms_rows(x, eps)
-            qkv = torch.addmm(lone.b_qkv, h, lone.w_qkv.t()).view(n, -1, d)  # [n, heads, D]
+            qkv = lone.w_qkv.addmm(lone.b_qkv, h).view(n, -1, d)  # [n, heads, D]
             qk = qkv[:, :n_qk]
             inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
             qk = torch.bmm(torch.mul(qk, lone.qk_norm).mul_(inv_rms[..., None]), rope)
@@ -324,7 +338,7 @@ class Qwen3MoeModel:
             keys.index_copy_(0, slots, qk[:, n_q:])
             values.index_copy_(0, slots, qkv[:, n_qk:])
             out = ref.attention_rows(qk[:, :n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            x = torch.addmm(x, out.reshape(n, -1), lone.w_o.t())
+            x = lone.w_o.addmm(x, out.reshape(n, -1))
             if layer.b_o is not None:
                 x = x + layer.b_o
             if layer.router is None:
@@ -339,12 +353,13 @@ class Qwen3MoeModel:
                     rows, weights = routed.setdefault(expert, ([], []))
                     rows.append(row)
                     weights.append(weight)
+            h = h.to(self._lone_input)
             for expert, (rows, weights) in routed.items():
                 every = len(rows) == n  # no gather or scatter
-                gate, up = torch.mm(h if every else h[rows], lone.gate_up[expert].t()).chunk(2, dim=-1)
-                y = torch.mm(F.silu(gate).mul_(up), lone.down[expert].t()).mul_(torch.tensor(weights)[:, None])
+                gate, up = lone.gate_up[expert].mm(h if every else h[rows]).chunk(2, dim=-1)
+                y = torch.mul(lone.down[expert].mm(F.silu(gate).mul_(up)), torch.tensor(weights)[:, None])  # fp32
                 x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
-        return torch.mm(x * _inv_rms_rows(x, eps), self._lone_lm_head.t())
+        return self._lone_logits(x * _inv_rms_rows(x, eps))
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config

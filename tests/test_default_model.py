@@ -67,6 +67,25 @@ def test_engine_logits_match_transformers(hf_model):
         assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
+@needs_engine
+def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
+    """The CPU's lone decode step streams int8 weight copies by default (engine.lone_matrices);
+    on the shipped model its greedy tokens are still fp32 transformers' own."""
+    from engine.generate import complete
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
+    assert model.lone_weights == "int8"
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        _, stats = complete(model, tok, ids, max_tokens=32, stop_at_eos=False)
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        assert stats.token_ids == out[0, len(ids):].tolist()
+
+
 def test_transformers_loads_and_predicts_code(hf_model):
     from engine.train.data import load_tokenizer
 

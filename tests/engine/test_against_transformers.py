@@ -53,6 +53,9 @@ def test_batch_logits_match_transformers(checkpoint_factory, variant, moe_path):
 def test_greedy_32_tokens_identical(checkpoint_factory, variant):
     path = checkpoint_factory(**VARIANTS[variant])
     model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    # fp32 decode steps: token for token as transformers, whose arithmetic they share up to
+    # rounding (int8 steps can flip a random model's near-ties; see test_lone_matrices).
+    model.lone_weights = "fp32"
     reference = load_reference(path)
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt)

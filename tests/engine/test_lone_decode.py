@@ -10,6 +10,13 @@ from engine.random_model import TINY, random_model
 from kernels import reference as ref
 
 
+# A step's logit difference against the general path, relative to the largest logit, by the
+# lone path's weight form: fp32 differs in rounding alone, at every step; int8 rounds weights to
+# 1/254 of a row's largest and activations to bf16 (engine.lone_matrices), at the median step:
+# now and then a random model's near-tied router picks another expert from the rounded input.
+TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}
+
+
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -49,11 +56,14 @@ def test_route_one_equals_route(norm_topk_prob):
 
 def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
     """Prefill, then decode greedily with the lone path and the general path side by side;
-    returns the worst relative logit difference and both token lists. cache_for() gives a
-    function that returns the cache argument of each forward."""
+    returns the relative logit difference (the worst step for fp32, the median one for int8)
+    and both token lists. cache_for() gives a
+    function that returns the cache argument of each forward. With int8 weights the lone path
+    follows the general path's tokens (teacher-forced), since near-ties of a random model may
+    pick otherwise."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
-    caches, tokens, worst = [cache_for(), cache_for()], [[], []], 0.0
+    caches, tokens, diffs = [cache_for(), cache_for()], [[], []], []
     for cache in caches:
         model.forward(ids, torch.arange(prompt)[None], cache())
     nxt = [int(ids[0, -1])] * 2
@@ -62,16 +72,18 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
         for i, lone in enumerate((True, False)):
             model.lone_decode = lone
             logits.append(model.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1])
-            nxt[i] = int(logits[i].argmax())
-            tokens[i].append(nxt[i])
-        worst = max(worst, _rel(logits[0], logits[1]))
+            tokens[i].append(int(logits[i].argmax()))
+        nxt = [tokens[1][-1] if model.lone_weights == "int8" else tokens[0][-1], tokens[1][-1]]
+        diffs.append(_rel(logits[0], logits[1]))
     model.lone_decode = True
-    return worst, tokens
+    return (max(diffs) if model.lone_weights == "fp32" else sorted(diffs)[len(diffs) // 2]), tokens
 
 
+@pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
-def test_lone_decode_matches_general_path_paged(variant):
+def test_lone_decode_matches_general_path_paged(variant, form):
     model = lone_path_model(variant)
+    model.lone_weights = form
     c = model.config
     # Blocks out of order, so the keys lie in several runs of slots.
     table = [5, 2, 3, 0]
@@ -81,20 +93,24 @@ def test_lone_decode_matches_general_path_paged(variant):
         return lambda: PagedBatch(pool, [table], "cpu")  # a view per forward, as the engine makes
 
     worst, (lone, general) = _decode_both(model, paged, steps=9)
-    assert worst < 1e-5
-    assert lone == general
+    assert 0 < worst < TOLERANCE[form]
+    agree = sum(a == b for a, b in zip(lone, general))
+    assert agree == len(general) if form == "fp32" else agree >= len(general) - 2
 
 
-def test_lone_decode_matches_general_path_contiguous():
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+def test_lone_decode_matches_general_path_contiguous(form):
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=5)
+    model.lone_weights = form
 
     def contiguous():
         cache = model.new_cache(1, capacity=8)  # grows (doubling) during the test
         return lambda: cache
 
     worst, (lone, general) = _decode_both(model, contiguous)
-    assert worst < 1e-5
-    assert lone == general
+    assert 0 < worst < TOLERANCE[form]
+    agree = sum(a == b for a, b in zip(lone, general))
+    assert agree == len(general) if form == "fp32" else agree >= len(general) - 2
 
 
 def test_lone_path_is_skipped_where_it_does_not_apply():

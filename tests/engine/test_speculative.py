@@ -24,9 +24,21 @@ def _rel(a, b):
 
 # -- the lean forward of a few rows ------------------------------------------------------------------
 
+# Row logits against the general path, relative to the largest (as in test_lone_decode): fp32
+# differs in rounding alone, on every row; int8 weights on the median row (a random model's
+# near-tied router can pick another expert from the rounded input).
+TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}
+
+
+def _row_diffs(lean, general):
+    return sorted(_rel(a, b) for a, b in zip(lean, general))
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
-def test_forward_tail_matches_the_general_path(variant):
+def test_forward_tail_matches_the_general_path(variant, form):
     model = lone_path_model(variant)
+    model.lone_weights = form
     c = model.config
     table = [5, 2, 3, 0, 4]  # out of order: the keys lie in several runs of slots
     g = torch.Generator().manual_seed(0)
@@ -40,7 +52,11 @@ def test_forward_tail_matches_the_general_path(variant):
         general = model.forward(torch.tensor([new]), torch.arange(prompt, prompt + rows)[None],
                                 PagedBatch(pools[1], [table], "cpu"))[0]
         assert lean.shape == general.shape == (rows, c.vocab_size)
-        assert _rel(lean, general) < 1e-5
+        diffs = _row_diffs(lean, general)
+        if form == "int8":
+            assert 0 < diffs[len(diffs) // 2] < TOLERANCE[form]
+            continue
+        assert diffs[-1] < TOLERANCE[form]
         assert torch.equal(lean.argmax(-1), general.argmax(-1))
         for store in ("keys", "values"):  # the same K/V written at the same slots
             for a, b in zip(getattr(pools[0], store), getattr(pools[1], store)):
@@ -60,9 +76,11 @@ def test_forward_tail_declines_where_it_does_not_apply():
     assert model.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
 
 
-def test_forward_tail_on_the_shipped_model():
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+def test_forward_tail_on_the_shipped_model(form):
     d = default_model_dir()
     model, tok = load_model(d), Tokenizer.from_dir(d)
+    model.lone_weights = form
     c = model.config
     ids = tok.encode(CODE)
     table = [3, 0, 7, 1, 2]
@@ -73,7 +91,7 @@ def test_forward_tail_on_the_shipped_model():
     lean = model.forward_tail(ids[start:], start, PagedBatch(pools[0], [table], "cpu"))
     general = model.forward(torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None],
                             PagedBatch(pools[1], [table], "cpu"))[0]
-    assert _rel(lean, general) < 1e-5
+    assert max(_row_diffs(lean, general)) < TOLERANCE[form]  # every row: the shipped router is not near-tied here
     assert torch.equal(lean.argmax(-1), general.argmax(-1))
 
 
@@ -214,8 +232,10 @@ def test_healing_then_speculation(shipped):
     assert_same(plain, spec)
 
 
-def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
+def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped, monkeypatch):
     model, tok = shipped
+    # The cached K/V are checked against a fresh prefill's to fp32 rounding: the lean path in fp32.
+    monkeypatch.setattr(model, "lone_weights", "fp32")
     prompt = tok.encode(REPETITIVE)
     cold, _ = run(Engine(model, tok, speculative=False, prefix_cache=False),
                   Request(prompt, max_tokens=30, stop_at_eos=False))

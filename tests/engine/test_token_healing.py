@@ -118,6 +118,9 @@ def test_mid_word_completion_continues_the_word(shipped):
 def test_engine_and_single_generation_heal_alike(checkpoint_factory):
     path = checkpoint_factory()
     model, tok = load_model(path), Tokenizer.from_dir(path)
+    # The batch decodes on the general path, a lone generation on the lean one: in fp32 they
+    # differ in rounding alone (int8 lean steps can flip a random model's near-ties).
+    model.lone_weights = "fp32"
     engine = Engine(model, tok, num_blocks=64, block_size=8)
     prefixes = ["def add(a, b):\n    ", "import o", "for i in range(", "x = [1, 2, 3]\nprint(x"]
     results = {}

@@ -1,0 +1,124 @@
+"""The lean CPU decode path's weight forms (engine/lone_matrices.py) against plain fp32 products,
+on fresh random inputs, and the int8 form's exact best logits."""
+
+import pytest
+import torch
+
+from engine.lone_matrices import FORMS, INPUT_DTYPE, Fp32Matrix, Int8Matrix, int8_available, matrix
+from engine.random_model import TINY, random_model
+
+pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch lacks _weight_int8pack_mm")
+
+
+def _weights(out, inp, seed=0):
+    """Rows of very different magnitudes, so each row's scale matters."""
+    g = torch.Generator().manual_seed(seed)
+    return 0.02 * torch.randn(out, inp, generator=g) * torch.exp(torch.randn(out, 1, generator=g))
+
+
+def _dequantized(m: Int8Matrix) -> torch.Tensor:
+    return m.q.float() * m.scale.float()[:, None]
+
+
+def test_int8_rounds_each_weight_to_half_its_rows_step():
+    w = _weights(96, 64)
+    m = Int8Matrix(w)
+    assert m.q.dtype == torch.int8 and m.scale.dtype == torch.bfloat16 and m.q.is_contiguous()
+    assert m.q.abs().max() <= 127 and (m.q.abs().amax(1) >= 126).all()  # each row uses its range
+    step = m.scale.float()[:, None]
+    assert ((_dequantized(m) - w).abs() <= 0.51 * step).all()
+    assert m.nbytes == 96 * 64 + 96 * 2
+
+
+def test_int8_folds_the_norm_weight_into_the_columns():
+    w, norm = _weights(32, 48, seed=1), 1 + torch.rand(48, generator=torch.Generator().manual_seed(2))
+    m = Int8Matrix(w, norm)
+    assert ((_dequantized(m) - w * norm).abs() <= 0.51 * m.scale.float()[:, None]).all()
+
+
+def test_an_all_zero_row_stays_zero_with_a_normal_scale():
+    w = _weights(8, 64, seed=3)
+    w[5] = 0
+    m = Int8Matrix(w)
+    assert not m.q[5].any() and m.scale[5] > 0
+    x = torch.randn(64)
+    assert m.mv(x)[5] == 0 and torch.isfinite(m.mv(x)).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int8_products_match_the_dequantized_weights(rows):
+    w = _weights(96, 64, seed=4)
+    m = Int8Matrix(w)
+    g = torch.Generator().manual_seed(5)
+    x, add = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
+    # The kernel's inputs are bf16 activations; its sums are fp32, its results bf16.
+    want = x.to(torch.bfloat16).float() @ _dequantized(m).t()
+    tol = dict(rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    got = m.mm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(m.mm(x.to(torch.bfloat16)), got, rtol=0, atol=0)  # bf16 in: the same
+    torch.testing.assert_close(m.addmm(add, x), add + want, **tol)
+    assert m.addmm(add, x).dtype == torch.float32
+    torch.testing.assert_close(m.mv(x[0]).float(), want[0], **tol)
+    torch.testing.assert_close(m.addmv(add[0], x[0], alpha=0.5), add[0] + 0.5 * want[0], **tol)
+    # Against the fp32 weights themselves: the int8 step and bf16 rounding, a few per cent at most.
+    exact = x @ w.t()
+    assert ((got.float() - exact).abs().max() / exact.abs().max()) < 0.03
+
+
+def test_fp32_products_are_the_plain_ones():
+    w, norm = _weights(96, 64, seed=6), 1 + torch.rand(64, generator=torch.Generator().manual_seed(7))
+    m = Fp32Matrix(w, norm)
+    assert m.t.shape == (96, 64) and m.t.t().is_contiguous()  # [in, out] storage
+    g = torch.Generator().manual_seed(8)
+    x, add = torch.randn(5, 64, generator=g), torch.randn(5, 96, generator=g)
+    want = x @ (w * norm).t()
+    torch.testing.assert_close(m.mm(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.addmm(add, x), add + want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.mv(x[0]), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.addmv(add[0], x[0], alpha=2.0), add[0] + 2 * want[0], rtol=1e-5, atol=1e-5)
+    assert m.nbytes == 96 * 64 * 4
+
+
+def test_forms_are_named():
+    w = _weights(8, 16)
+    assert isinstance(matrix("int8", w), Int8Matrix) and isinstance(matrix("fp32", w), Fp32Matrix)
+    assert set(FORMS) == set(INPUT_DTYPE)
+    with pytest.raises(ValueError, match="lone decode weights are one of"):
+        matrix("int4", w)
+
+
+def test_int8_logits_are_exact_where_greedy_looks():
+    """The lm_head's int8 logits near a row's best are computed again in fp32: the best logit and
+    its neighbours within the margin equal fp32's, so greedy picks what fp32 picks."""
+    from engine.model import LONE_EXACT_MARGIN
+
+    model = random_model(dict(TINY, vocab_size=2048), dtype=torch.float32, seed=11)
+    model.lone_weights = "int8"
+    model.prepare_lone_decode()
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(6, model.config.hidden_size, generator=g) * 3
+    got = model._lone_logits(h.clone())
+    exact = (h * model.final_norm) @ model.lm_head.t()
+    approx = model._lone_lm_head.mm(h).float()
+    assert got.shape == exact.shape == (6, 2048)
+    near = approx >= approx.amax(-1, keepdim=True) - LONE_EXACT_MARGIN
+    torch.testing.assert_close(got[near], exact[near], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[~near], approx[~near], rtol=0, atol=0)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert (approx != exact).any()  # int8 rounding is there to be corrected
+
+
+def test_switching_forms_rebuilds_the_weights():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=13)
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
+    logits = {}
+    for form in ("int8", "fp32", "int8"):
+        model.lone_weights = form
+        cache.used = 3
+        logits.setdefault(form, []).append(model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache))
+        assert isinstance(model._lone[0].w_qkv, Int8Matrix if form == "int8" else Fp32Matrix)
+    torch.testing.assert_close(logits["int8"][0], logits["int8"][1], rtol=0, atol=0)
+    assert not torch.equal(logits["int8"][0], logits["fp32"][0])
