@@ -488,18 +488,18 @@ def test_resuming_from_an_fp8_export_reads_its_dequantized_weights(export, reque
     torch.testing.assert_close(got_aux, want_aux, rtol=0, atol=0)
 
 
-def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkeypatch):
-    """`train --resume FP8_EXPORT --widen-experts 64 --fp8-block 32`, one step on the CPU: with lr 0
-    the step changes nothing, so the saved checkpoint is exactly the export's weights, widened, and
-    computes the exported model's function."""
+def _resume_one_step(tmp_path, monkeypatch, *grow_args):
+    """`train --resume FP8_EXPORT GROW_ARGS --fp8-block 32`, one step at lr 0 on the CPU (so the step
+    changes nothing); returns the exported model, its folder (also the run's --model-dir), its
+    config and the run's output folder."""
     from checkpoints import TRAINING_TEXT, build_tokenizer
 
-    from engine.train import checkpoint, plot, train
+    from engine.train import plot, train
 
     tok = build_tokenizer()
     config = {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()}
     model, model_dir = _export(tmp_path, EXPORT_BLOCK, config)
-    tok.save(str(model_dir / "tokenizer.json"))  # the export folder is also the run's --model-dir
+    tok.save(str(model_dir / "tokenizer.json"))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     docs = sorted(set(TRAINING_TEXT))
@@ -508,10 +508,20 @@ def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkey
     monkeypatch.setattr(plot, "plot_loss", lambda *a: None)  # matplotlib is slow to import
     out = tmp_path / "out"
     train.main(["--corpus", str(corpus), "--model-dir", str(model_dir), "--out", str(out),
-                "--resume", str(model_dir), "--widen-experts", "64", "--fp8-block", str(EXPORT_BLOCK),
+                "--resume", str(model_dir), *grow_args, "--fp8-block", str(EXPORT_BLOCK),
                 "--workers", "0", "--max-steps", "1", "--device", "cpu", "--moe", "sparse", "--compile", "off",
                 "--seq-len", "32", "--batch-rows", "2", "--micro-rows", "2", "--heldout-rows", "2",
                 "--lr", "0", "--warmup-steps", "1", "--log-every", "1"])
+    return model, model_dir, config, out
+
+
+def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkeypatch):
+    """`train --resume FP8_EXPORT --widen-experts 64 --fp8-block 32`, one step on the CPU: with lr 0
+    the step changes nothing, so the saved checkpoint is exactly the export's weights, widened, and
+    computes the exported model's function."""
+    from engine.train import checkpoint
+
+    model, model_dir, config, out = _resume_one_step(tmp_path, monkeypatch, "--widen-experts", "64")
 
     state = checkpoint.load_state(out / "ckpt")
     assert state["step"] == 4
@@ -572,21 +582,6 @@ def test_export_writes_the_expert_width_the_checkpoint_has(tmp_path, monkeypatch
     written = json.loads((tmp_path / "model" / "config.json").read_text())
     assert written["moe_intermediate_size"] == wide["moe_intermediate_size"]
     assert load_model(tmp_path / "model").layers[0].w_down.shape[-1] == wide["moe_intermediate_size"]
-
-
-def test_training_refuses_to_narrow_the_experts(tmp_path):
-    """A checkpoint's experts (32 wide here) can be widened, never narrowed: a smaller
-    --widen-experts is refused before any data is read."""
-    from checkpoints import build_tokenizer
-
-    from engine.train import train
-
-    tok = build_tokenizer()
-    _, model_dir = _export(tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()})
-    tok.save(str(model_dir / "tokenizer.json"))
-    with pytest.raises(SystemExit, match="--widen-experts 16 is narrower than the experts \\(32\\)"):
-        train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
-                    "--resume", str(model_dir), "--widen-experts", "16", "--device", "cpu", "--workers", "0"])
 
 
 # --- adding experts --------------------------------------------------------------------------------
@@ -675,28 +670,11 @@ def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeyp
     """`train --resume FP8_EXPORT --add-experts 6`, one step at lr 0 on the CPU: the checkpoint holds
     the export's weights and two copies of experts per layer; its export says 6 experts, and the
     engine loads it."""
-    from checkpoints import TRAINING_TEXT, build_tokenizer
-
     from engine.loader import load_model
-    from engine.train import checkpoint, export, plot, train
+    from engine.train import checkpoint, export
     from engine.train.grow import expert_count
 
-    tok = build_tokenizer()
-    config = {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()}
-    _, model_dir = _export(tmp_path, EXPORT_BLOCK, config)
-    tok.save(str(model_dir / "tokenizer.json"))
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = sorted(set(TRAINING_TEXT))
-    (corpus / "train.jsonl").write_text("".join(json.dumps({"text": d * 3}) + "\n" for d in docs))
-    (corpus / "heldout.jsonl").write_text("".join(json.dumps({"text": d * 4}) + "\n" for d in docs))
-    monkeypatch.setattr(plot, "plot_loss", lambda *a: None)  # matplotlib is slow to import
-    out = tmp_path / "out"
-    train.main(["--corpus", str(corpus), "--model-dir", str(model_dir), "--out", str(out),
-                "--resume", str(model_dir), "--add-experts", "6", "--fp8-block", str(EXPORT_BLOCK),
-                "--workers", "0", "--max-steps", "1", "--device", "cpu", "--moe", "sparse", "--compile", "off",
-                "--seq-len", "32", "--batch-rows", "2", "--micro-rows", "2", "--heldout-rows", "2",
-                "--lr", "0", "--warmup-steps", "1", "--log-every", "1"])
+    _, model_dir, config, out = _resume_one_step(tmp_path, monkeypatch, "--add-experts", "6")
 
     state = checkpoint.load_state(out / "ckpt")
     assert state["runs"][-1]["added_experts"] == [4, 6]
@@ -719,7 +697,13 @@ def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeyp
     assert load_model(tmp_path / "grown").layers[0].w_down.shape[0] == 6
 
 
-def test_training_refuses_to_drop_experts(tmp_path):
+@pytest.mark.parametrize("grow_args, refusal", [
+    (["--widen-experts", "16"], "--widen-experts 16 is narrower than the experts \\(32\\)"),
+    (["--add-experts", "3"], "--add-experts 3 is fewer than the experts \\(4\\)"),
+])
+def test_training_refuses_to_shrink_the_experts(tmp_path, grow_args, refusal):
+    """A checkpoint's experts (4 of them, 32 wide here) can grow, never shrink: a smaller size or
+    count is refused before any data is read."""
     from checkpoints import build_tokenizer
 
     from engine.train import train
@@ -727,6 +711,6 @@ def test_training_refuses_to_drop_experts(tmp_path):
     tok = build_tokenizer()
     _, model_dir = _export(tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()})
     tok.save(str(model_dir / "tokenizer.json"))
-    with pytest.raises(SystemExit, match="--add-experts 3 is fewer than the experts \\(4\\)"):
+    with pytest.raises(SystemExit, match=refusal):
         train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
-                    "--resume", str(model_dir), "--add-experts", "3", "--device", "cpu", "--workers", "0"])
+                    "--resume", str(model_dir), *grow_args, "--device", "cpu", "--workers", "0"])
