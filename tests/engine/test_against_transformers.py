@@ -70,14 +70,16 @@ def test_greedy_32_tokens_identical(checkpoint_factory, variant):
         assert text == tokenizer.decode(expected).rstrip("\ufffd")
 
 
-def test_cli_prints_only_the_completion(checkpoint_factory):
+@pytest.mark.parametrize("form", ["int8", "fp32"])
+def test_cli_prints_only_the_completion(checkpoint_factory, form):
     path = checkpoint_factory()
     model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    model.lone_weights = form
     ids = tokenizer.encode(PROMPTS[0])
     expected, _ = complete(model, tokenizer, ids, max_tokens=32)
     result = subprocess.run(
         [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--prompt", PROMPTS[0],
-         "--max-tokens", "32", "--temperature", "0"],
+         "--max-tokens", "32", "--temperature", "0", "--cpu-decode-weights", form],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
