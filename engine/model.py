@@ -231,6 +231,11 @@ class Qwen3MoeModel:
             x = x + self.mlp(h.reshape(batch * n_tokens, -1), layer).reshape(batch, n_tokens, -1)
         if last_only:
             x = x[:, -1:]
+            if batch == 1 and self._lone_path_applies():
+                # The lean path's lm_head: its layout (or int8) reads the 20 MB of a small
+                # model's head ~4x faster than F.linear's one-row case (3.5 vs 0.9 ms).
+                self.prepare_lone_decode()
+                return self._lone_logits(x[0] * _inv_rms_rows(x[0], cfg.rms_norm_eps))[None]
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 

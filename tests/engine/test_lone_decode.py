@@ -159,3 +159,25 @@ def test_path_switches_turn_the_lone_path_off():
     model.moe_path = "auto"
     model.moe_fn = ref.moe_output_centric
     assert not model._lone_path_applies()
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
+    """One sequence's prefill with last_only takes the lean path's lm_head (faster in the one-row
+    case): fp32 gives the general path's logits up to rounding; int8 gives its best logit exactly."""
+    model = lone_path_model("dense_and_untied")
+    model.lone_weights = form
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21))
+    last = model.forward(ids, torch.arange(11)[None], model.new_cache(1), last_only=True)[0, -1]
+    full = model.forward(ids, torch.arange(11)[None], model.new_cache(1))[0, -1]
+    assert last.shape == full.shape
+    if form == "fp32":
+        assert _rel(last, full) < 1e-5
+    else:
+        assert 0 < _rel(last, full) < TOLERANCE[form]
+        best = int(full.argmax())
+        assert int(last.argmax()) == best
+        torch.testing.assert_close(last[best], full[best], rtol=1e-5, atol=1e-5)
+    # Two sequences take the general head.
+    both = model.forward(ids.expand(2, -1), torch.arange(11)[None].expand(2, -1), model.new_cache(2), last_only=True)
+    torch.testing.assert_close(both[0, -1], full, rtol=1e-5, atol=1e-5)
