@@ -107,8 +107,16 @@ start)
         stop
         launch --budget-s "$((budget - SECONDS))" --compile off "$@"
     fi
-    watch $((${CALL_S:-560} - SECONDS))  # return before the call's limit; the run goes on
+    # Return before the call's limit (copy_out's FP8 export takes a few seconds more); the run
+    # goes on, and the machine stays only briefly between calls, so chain the next call at once.
+    watch $((${CALL_S:-540} - SECONDS))
     ;;
+watch | finish)
+    if [ ! -f "$RUN/pid" ]; then  # a machine given back between calls comes back bare
+        echo "no run on this machine: it was given back since the start; the last checkpoint copied out is all there is"
+        exit 3
+    fi
+    ;;&
 watch) watch "$2" ;;
 finish)  # within the call's limit; a run still going then is left to a later "finish"
     end=$((SECONDS + ${CALL_S:-560}))
