@@ -291,7 +291,7 @@ class Qwen3MoeModel:
             keys[slot].copy_(qk[n_q:])
             values[slot].copy_(qkv[n_qk // d :])
             out = ref.attention_lone(qk[:n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            x = lone.w_o.addmv(x, out.view(-1))  # the residual add inside the product
+            x = lone.w_o.addmv(x, out.view(-1))  # the residual added in the same op
             if layer.b_o is not None:
                 x = x + layer.b_o
             if layer.router is None:
