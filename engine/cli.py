@@ -101,13 +101,15 @@ def _random_model(args: argparse.Namespace):
     return model
 
 
-def set_cpu_decode_weights(model, form: str) -> None:
-    """The weights the lean CPU decode step streams (engine.lone_matrices): int8 where this
-    torch has the product, else fp32."""
+def set_cpu_decode_weights(model, form: str | None) -> None:
+    """The weights the lean CPU decode step streams (engine.lone_matrices); None keeps the
+    model's default. int8 needs torch's int8 product."""
     import logging
 
     from engine.lone_matrices import int8_available
 
+    if form is None:
+        return
     if form == "int8" and not int8_available():
         logging.getLogger("wd_engine").warning("this torch has no int8 weight-only product: CPU decode steps use fp32 weights")
         form = "fp32"
@@ -239,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
-    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), default="int8",
-                    help="weights of the CPU's one-sequence decode step: int8 (default) streams a quarter of "
-                    "fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 matches prefill's arithmetic")
+    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"),
+                    help="weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
+                    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as prefill does")
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
@@ -268,9 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
     serve.add_argument("--no-speculative", action="store_true",
                        help="decode one token per step, no prompt-lookup drafts (for comparisons)")
-    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), default="int8",
-                    help="weights of the CPU's one-sequence decode step: int8 (default) streams a quarter of "
-                    "fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 matches prefill's arithmetic")
+    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"),
+                    help="weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
+                    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as prefill does")
     serve.add_argument("--prefill-chunk", type=int,
                        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)

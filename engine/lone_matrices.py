@@ -17,6 +17,8 @@ is one scalar. Both are derived from the weights when built; weights changed lat
 """
 from __future__ import annotations
 
+import platform
+
 import torch
 
 FORMS = ("int8", "fp32")
@@ -101,3 +103,9 @@ def int8_available() -> bool:
         return True
     except (AttributeError, RuntimeError):
         return False
+
+
+def default_form() -> str:
+    """int8 where it was measured to pay (x86-64, whose int8 kernel is vectorized) and this torch
+    has the op; fp32 elsewhere, until measured there."""
+    return "int8" if platform.machine().lower() in ("x86_64", "amd64") and int8_available() else "fp32"

@@ -183,8 +183,8 @@ class Qwen3MoeModel:
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
         self.lone_decode = True  # False: CPU decode steps run the general path too (comparisons)
         # The lone path's weights: "int8" (a quarter of fp32's bytes to stream a step, so faster;
-        # engine.lone_matrices) where this torch has the op, else "fp32".
-        self.lone_weights = "int8" if lone_matrices.int8_available() else "fp32"
+        # engine.lone_matrices) on x86-64, else "fp32".
+        self.lone_weights = lone_matrices.default_form()
         self._lone = None  # per-layer `_LoneLayer`, built by `prepare_lone_decode`
         self._lone_form = None
         self.small_on_cpu = self.device.type == "cpu" and _weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES

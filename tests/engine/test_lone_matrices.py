@@ -4,7 +4,7 @@ on fresh random inputs, and the int8 form's exact best logits."""
 import pytest
 import torch
 
-from engine.lone_matrices import FORMS, INPUT_DTYPE, Fp32Matrix, Int8Matrix, int8_available, matrix
+from engine.lone_matrices import FORMS, INPUT_DTYPE, Fp32Matrix, Int8Matrix, default_form, int8_available, matrix
 from engine.random_model import TINY, random_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch lacks _weight_int8pack_mm")
@@ -122,3 +122,14 @@ def test_switching_forms_rebuilds_the_weights():
         assert isinstance(model._lone[0].w_qkv, Int8Matrix if form == "int8" else Fp32Matrix)
     torch.testing.assert_close(logits["int8"][0], logits["int8"][1], rtol=0, atol=0)
     assert not torch.equal(logits["int8"][0], logits["fp32"][0])
+
+
+def test_int8_is_the_default_only_where_it_was_measured(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert default_form() == "int8"
+    assert random_model(dict(TINY, vocab_size=512), dtype=torch.float32).lone_weights == "int8"
+    for machine in ("arm64", "aarch64"):
+        monkeypatch.setattr(platform, "machine", lambda: machine)
+        assert default_form() == "fp32"
