@@ -162,8 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
         set_moe_path(model, args.moe_path)
         set_cpu_decode_weights(model, args.cpu_decode_weights)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        log.info("loaded %s in %.0f ms on %s (%s, MoE path %s)", name, 1000 * (time.perf_counter() - t0),
-                 args.device, model.dtype, args.moe_path)
+        log.info("loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)", name,
+                 1000 * (time.perf_counter() - t0), args.device, model.dtype, args.moe_path,
+                 model.lone_weights if model._lone_path_applies() else "unused")
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
         print(f"wd-engine: cannot load model {name}: {exc}", file=sys.stderr)
