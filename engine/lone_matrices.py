@@ -17,6 +17,7 @@ is one scalar. Both are derived from the weights when built; weights changed lat
 """
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -95,6 +96,7 @@ def matrix(form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None) -> 
     return Int8Matrix(w, in_scale) if form == "int8" else Fp32Matrix(w, in_scale)
 
 
+@functools.cache  # asked at every model's construction; the answer cannot change in a process
 def int8_available() -> bool:
     """Whether this torch has the int8 weight-only product (it is a private op)."""
     try:

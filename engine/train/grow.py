@@ -76,26 +76,32 @@ def router_loads(model: torch.nn.Module, rows: torch.Tensor, batch: int = 4) -> 
     return counts
 
 
+def copy_sources(loads: torch.Tensor, added: int) -> list[list[int]]:
+    """Per layer, the expert each of `added` new ones copies: the busiest by `loads` [layers, E]
+    first, going round again if more are added than there are."""
+    busiest = loads.argsort(dim=1, descending=True, stable=True).tolist()
+    return [[order[j % len(order)] for j in range(added)] for order in busiest]
+
+
 def add_experts(weights: dict[str, torch.Tensor], total: int, loads: torch.Tensor,
                 router_std: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Grow every layer to `total` experts: expert E+j copies the layer's j-th busiest expert by
-    `loads` [layers, E] (cycling if more are added than there are), and gets a router row drawn
-    at `router_std`, small enough that its logits sit near 0 (see the module's notes)."""
+    """Grow every layer to `total` experts: the new ones copy the experts `copy_sources` names and
+    get router rows drawn at `router_std`, small enough that their logits sit near 0 (see the
+    module's notes)."""
     old = expert_count(weights)
     if total < old:
         raise ValueError(f"cannot drop experts: {old} to {total}")
+    sources = copy_sources(loads, total - old)
     g = torch.Generator().manual_seed(seed)
     grown = dict(weights)
     for key, router in weights.items():
         if not (m := _ROUTER.match(key)):
             continue
         layer = int(m.group(1))
-        busiest = loads[layer].argsort(descending=True, stable=True).tolist()
         new_rows = torch.randn(total - old, router.shape[1], generator=g) * router_std
         grown[key] = torch.cat([router, new_rows.to(router.dtype)])
-        for j in range(total - old):
-            source = busiest[j % old]
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for j, source in enumerate(sources[layer]):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                prefix = f"model.layers.{layer}.mlp.experts"
                 grown[f"{prefix}.{old + j}.{proj}.weight"] = weights[f"{prefix}.{source}.{proj}.weight"].clone()
     return grown

@@ -23,7 +23,7 @@ from . import checkpoint
 from .config import load_config
 from .data import PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
 from .model import Qwen3MoeLM
-from .grow import add_experts, expert_count, expert_width, router_loads, widen_experts
+from .grow import add_experts, copy_sources, expert_count, expert_width, router_loads, widen_experts
 
 
 def parse_args(argv=None):
@@ -166,9 +166,8 @@ def main(argv=None) -> None:
             loads = router_loads(before, held_rows[:8])
             weights = add_experts(weights, args.add_experts, loads, seed=args.seed)
             run["added_experts"] = [count, args.add_experts]
-            busiest = loads.argsort(dim=1, descending=True, stable=True)[:, :args.add_experts - count]
-            print(f"experts added {count} -> {args.add_experts}, copies of these by layer: {busiest.tolist()}",
-                  flush=True)
+            print(f"experts added {count} -> {args.add_experts}, copies of these by layer: "
+                  f"{copy_sources(loads, args.add_experts - count)}", flush=True)
         config = {**config, "num_experts": args.add_experts}
     model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     if args.fp8_block:

@@ -4,17 +4,10 @@ reference ops it replaces, on fresh random inputs."""
 import pytest
 import torch
 
-from checkpoints import lone_path_model
+from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE, lone_path_model
 from engine.kv_pool import KVPool, PagedBatch
 from engine.random_model import TINY, random_model
 from kernels import reference as ref
-
-
-# A step's logit difference against the general path, relative to the largest logit, by the
-# lone path's weight form: fp32 differs in rounding alone, at every step; int8 rounds weights to
-# 1/254 of a row's largest and activations to bf16 (engine.lone_matrices), at the median step:
-# now and then a random model's near-tied router picks another expert from the rounded input.
-TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}
 
 
 def _rel(a, b):
@@ -82,8 +75,7 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
 def test_lone_decode_matches_general_path_paged(variant, form):
-    model = lone_path_model(variant)
-    model.lone_weights = form
+    model = lone_path_model(variant, form)
     c = model.config
     # Blocks out of order, so the keys lie in several runs of slots.
     table = [5, 2, 3, 0]
@@ -165,8 +157,7 @@ def test_path_switches_turn_the_lone_path_off():
 def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
     """One sequence's prefill with last_only takes the lean path's lm_head (faster in the one-row
     case): fp32 gives the general path's logits up to rounding; int8 gives its best logit exactly."""
-    model = lone_path_model("dense_and_untied")
-    model.lone_weights = form
+    model = lone_path_model("dense_and_untied", form)
     ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21))
     last = model.forward(ids, torch.arange(11)[None], model.new_cache(1), last_only=True)[0, -1]
     full = model.forward(ids, torch.arange(11)[None], model.new_cache(1))[0, -1]
