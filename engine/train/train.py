@@ -3,8 +3,8 @@
     python -m engine.train.train --corpus .corpus --model-dir engine/models/wd-coder-tiny \
         --out OUT_DIR --budget-s 450 [--resume PREV_OUT/ckpt]
 
-The learning rate warms up, stays flat and decays linearly (to 10%) over the last --decay-frac of this
-run's wall-clock budget, so the run sizes itself to whatever throughput the machine gives. Progress
+The learning rate warms up, stays flat and decays linearly (to --final-lr-frac of its peak, 10% by
+default) over the last --decay-frac of this run's wall-clock budget, so the run sizes itself to whatever throughput the machine gives. Progress
 (loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
 with the held-out loss and bits per byte; the checkpoint is rewritten every --save-every-s.
 """
@@ -47,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=150)
     ap.add_argument("--decay-frac", type=float, default=0.25, help="share of the budget spent decaying the lr")
+    ap.add_argument("--final-lr-frac", type=float, default=0.1,
+                    help="where the decay ends, as a share of --lr (a run that anneals for good: near 0)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--workers", type=int, default=10)
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="torch.compile the training step (auto: on a GPU)")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.final_lr_frac <= 1.0:
+        ap.error("--final-lr-frac must be within [0, 1]")
     on_gpu = args.device.startswith("cuda")
     args.dense_moe = args.moe == "dense" or (args.moe == "auto" and on_gpu)
     args.compile = args.compile == "on" or (args.compile == "auto" and on_gpu)
@@ -79,7 +83,8 @@ def train_files(corpus: Path) -> list[Path]:
 def lr_at(step: int, frac: float, args) -> float:
     warm = min(1.0, (step + 1) / args.warmup_steps)
     decay = min(1.0, max(0.0, (1.0 - frac) / args.decay_frac))
-    return args.lr * warm * (0.1 + 0.9 * decay)
+    end = args.final_lr_frac
+    return args.lr * warm * (end + (1.0 - end) * decay)
 
 
 def lm_loss(model, rows):

@@ -98,3 +98,19 @@ def test_checkpoints_round_trip_and_a_run_resumes_from_an_exported_folder(tmp_pa
     torch.testing.assert_close(checkpoint.load_weights(exported), back)
     assert checkpoint.load_state(exported)["step"] == 8
     assert checkpoint.previous_log(exported) == exported / "training_log.jsonl"
+
+
+def test_learning_rate_warms_up_holds_and_decays_to_the_final_fraction():
+    from engine.train.train import lr_at, parse_args
+
+    base = ["--model-dir", "m", "--out", "o", "--lr", "1e-3", "--warmup-steps", "10", "--decay-frac", "0.5"]
+    args = parse_args(base)  # the default ends the decay at 10% of the peak
+    assert lr_at(0, 0.0, args) == pytest.approx(1e-4)  # the first of 10 warm-up steps
+    assert lr_at(50, 0.3, args) == pytest.approx(1e-3)  # held before the last half of the budget
+    assert lr_at(50, 0.75, args) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # halfway down
+    assert lr_at(50, 1.0, args) == pytest.approx(1e-4)
+    annealed = parse_args(base + ["--final-lr-frac", "0"])
+    assert lr_at(50, 0.75, annealed) == pytest.approx(5e-4)
+    assert lr_at(50, 1.0, annealed) == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--final-lr-frac", "1.5"])
