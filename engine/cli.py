@@ -50,6 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop or (),
             forced_text=forced_text,
+            beams=args.beams,
         )
         for delta in stream:
             sys.stdout.write(delta)
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--beams", type=int, default=1,
+                     help="beam search over this many hypotheses (greedy, CPU; meant for a single line)")
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))

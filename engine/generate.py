@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.beam_search import BeamSearch, BeamTails
+from engine.protocol import MAX_BEAMS
 from engine.model import Qwen3MoeModel
-from engine.sampling import forbid, sample
+from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.output import OutputAssembler
 from engine.token_healing import forcing_for
 from engine.tokenizer import Tokenizer
@@ -50,9 +52,12 @@ class GenerationStream:
         stop: list[str] | tuple[str, ...] = (),
         stop_at_eos: bool = True,
         forced_text: str = "",
+        beams: int = 1,
     ):
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
+        if not 1 <= beams <= MAX_BEAMS:
+            raise ValueError(f"beams must be within 1..{MAX_BEAMS}, got {beams}")
         limit = model.config.max_position_embeddings
         if len(prompt_ids) >= limit:
             raise PromptTooLong(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
@@ -70,6 +75,11 @@ class GenerationStream:
         # forced_text: the first tokens must write it, and it is not released (token healing).
         self.output = OutputAssembler(tokenizer, self.max_tokens, stop, stop_at_eos, skip_text=forced_text)
         self.forcing = forcing_for(tokenizer, forced_text)
+        # beams > 1: beam search (engine.beam_search) where greedy and the lean CPU path apply;
+        # the text comes out at the end, through the same output path.
+        self.search = None
+        if beams > 1 and temperature < GREEDY_BELOW and model.lean_rows_apply():
+            self.search = BeamSearch(tokenizer, beams, self.max_tokens, stop, stop_at_eos, forced_text)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.text = ""
 
@@ -104,24 +114,47 @@ class GenerationStream:
         positions = torch.arange(len(self.prompt_ids), device=device)[None]
         t0 = time.perf_counter()
         logits = model.forward(tokens, positions, cache, last_only=True)[:, -1]
-        next_id = self._sample(logits)
-        stats.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         position = len(self.prompt_ids)
         out = self.output
-        while True:
-            yield out.push(next_id)
-            if out.finished:
-                break
-            step = torch.tensor([[next_id]], device=device)
-            logits = model.forward(step, torch.tensor([[position]], device=device), cache)[:, -1]
+        stats.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        chosen = self._beam_search(logits, cache, position) if self.search is not None else None
+        if chosen is not None:  # the search is the decode time; its text comes out at the end
+            for token in chosen:
+                yield out.push(token)
+                if out.finished:
+                    break
+            if not out.finished:  # the chosen hypothesis ended with an ending token
+                yield out.finish("eos")
+        else:
             next_id = self._sample(logits)
-            position += 1
+            while True:
+                yield out.push(next_id)
+                if out.finished:
+                    break
+                step = torch.tensor([[next_id]], device=device)
+                logits = model.forward(step, torch.tensor([[position]], device=device), cache)[:, -1]
+                next_id = self._sample(logits)
+                position += 1
         stats.decode_s = time.perf_counter() - t0
         stats.finish_reason = out.finish_reason
         stats.token_ids = out.token_ids
         stats.completion_tokens = out.completion_tokens
         stats.forced_tokens = out.forced_tokens
+
+
+    def _beam_search(self, logits: torch.Tensor, cache, position: int) -> list[int] | None:
+        """The search's chosen tokens, or None where the lean path does not apply (then greedy)."""
+        search, tails = self.search, BeamTails(self.model.config.num_layers)
+        feed = search.step(logits)
+        while feed is not None:
+            parents, tokens = feed
+            tails.select(parents)
+            logits = self.model.forward_beams(tokens, position + tails.length, cache, tails)
+            if logits is None:
+                return None
+            feed = search.step(logits)
+        return search.answer()
 
 
 def generate(model, tokenizer, prompt_ids, **options) -> GenerationStream:

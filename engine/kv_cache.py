@@ -57,6 +57,15 @@ class KVCache:
         self.used = position + 1
         return position, [(0, position + 1)]
 
+    def lone_rows(self, position: int, count: int) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+        """`lone_slots` for `count` new tokens at positions position.. (0: only the run of positions
+        0..position-1, which every row of a beam search sees). None past a gap of unwritten slots."""
+        if self.shape[0] != 1 or self.keys[0].device.type != "cpu" or position > self.used:
+            return None
+        self.reserve(position + count)
+        self.used = max(self.used, position + count)
+        return torch.arange(position, position + count), [(0, position + count)]
+
     def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's key and value buffers of the one row, [capacity, Hkv, D] each."""
         return self.keys[layer][0], self.values[layer][0]

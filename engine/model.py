@@ -239,6 +239,10 @@ class Qwen3MoeModel:
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
+    def lean_rows_apply(self) -> bool:
+        """Whether the lean CPU forwards of a few rows (`forward_tail`, `forward_beams`) can run."""
+        return self._lone_path_applies()
+
     def _lone_path_applies(self) -> bool:
         cfg = self.config
         return (self.lone_decode and self.small_on_cpu and self.dtype == torch.float32 and self.moe_fn is None
@@ -326,45 +330,84 @@ class Qwen3MoeModel:
         """`_forward_lone` for n rows: products as x [n, in] @ W [in, out] on the same weight
         copies, each chosen expert read once for the rows routed to it, causal attention among
         the new rows. Differs from the general path only in rounding."""
-        cfg = self.config
-        eps, d, n_q = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads
-        n_qk = n_q + cfg.num_kv_heads  # q and k heads
         n = len(tokens)
         self.prepare_lone_decode()
         rope = torch.stack([ref.rope_matrix(p, self.inv_freq) for p in range(position, position + n)])
         x = self.embed[torch.tensor(tokens)]  # [n, H], a copy
         for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
-            h = x * _inv_rms_rows(x, eps)
-            qkv = lone.w_qkv.addmm(lone.b_qkv, h).view(n, -1, d)  # [n, heads, D]
-            qk = qkv[:, :n_qk]
-            inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
-            qk = torch.bmm(torch.mul(qk, lone.qk_norm).mul_(inv_rms[..., None]), rope)
+            q, k, v = self._rows_qkv(x, lone, rope)
             keys, values = cache.layer_stores(index)
-            keys.index_copy_(0, slots, qk[:, n_q:])
-            values.index_copy_(0, slots, qkv[:, n_qk:])
-            out = ref.attention_rows(qk[:, :n_q], [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
-            x = lone.w_o.addmm(x, out.reshape(n, -1))
-            if layer.b_o is not None:
-                x = x + layer.b_o
-            if layer.router is None:
-                h = ref.rms_norm(x, layer.post_attention_norm, eps)
-                x = x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
-                continue
-            # MoE: rows grouped by expert, so each chosen expert's weights are read once.
-            h = x * _inv_rms_rows(x, eps)
-            routed: dict[int, tuple[list[int], list[float]]] = {}
-            for row, logits in enumerate(torch.mm(h, lone.router.t()).tolist()):
-                for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
-                    rows, weights = routed.setdefault(expert, ([], []))
-                    rows.append(row)
-                    weights.append(weight)
-            h = h.to(self._lone_input)
-            for expert, (rows, weights) in routed.items():
-                every = len(rows) == n  # no gather or scatter
-                gate, up = lone.gate_up[expert].mm(h if every else h[rows]).chunk(2, dim=-1)
-                y = torch.mul(lone.down[expert].mm(F.silu(gate).mul_(up)), torch.tensor(weights)[:, None])  # fp32
-                x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
-        return self._lone_logits(x * _inv_rms_rows(x, eps))
+            keys.index_copy_(0, slots, k)
+            values.index_copy_(0, slots, v)
+            out = ref.attention_rows(q, [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs])
+            x = self._rows_mlp(lone.w_o.addmm(x, out.reshape(n, -1)), layer, lone)
+        return self._lone_logits(x * _inv_rms_rows(x, self.config.rms_norm_eps))
+
+    @torch.inference_mode()
+    def forward_beams(self, tokens: list[int], position: int, cache, tails) -> torch.Tensor | None:
+        """Logits [B, V] of B beams' newest tokens, all at `position`, by the lean CPU forward of
+        `_forward_rows`: each beam sees the cache's positions 0..position-1 (the prompt, which
+        every beam shares and none writes) and then its own tokens, whose K/V `tails`
+        (engine.beam_search.BeamTails) holds and gains here. None where the lean path does not
+        apply (the caller decodes greedily instead)."""
+        if len(tokens) > LONE_MAX_ROWS or not self._lone_path_applies():
+            return None
+        rows = getattr(cache, "lone_rows", lambda *_: None)(position - tails.length, 0)
+        if rows is None:
+            return None
+        runs = rows[1]
+        n = len(tokens)
+        self.prepare_lone_decode()
+        rope = ref.rope_matrix(position, self.inv_freq)
+        with _intra_op_threads():
+            x = self.embed[torch.tensor(tokens)]  # [B, H], a copy
+            for index, (layer, lone) in enumerate(zip(self.layers, self._lone)):
+                q, k, v = self._rows_qkv(x, lone, rope)
+                tail_keys, tail_values = tails.extend(index, k, v)
+                keys, values = cache.layer_stores(index)
+                out = ref.attention_beams(q, [keys[a:b] for a, b in runs], [values[a:b] for a, b in runs],
+                                          tail_keys, tail_values)
+                x = self._rows_mlp(lone.w_o.addmm(x, out.reshape(n, -1)), layer, lone)
+            return self._lone_logits(x * _inv_rms_rows(x, self.config.rms_norm_eps))
+
+    def _rows_qkv(self, x: torch.Tensor, lone: _LoneLayer, rope: torch.Tensor):
+        """Rows x [n, H] -> q [n, Hq, D] (normed, rotated, scaled), k [n, Hkv, D] (normed,
+        rotated), v [n, Hkv, D]; rope [n, D, D] per row, or [D, D] for rows at one position."""
+        cfg = self.config
+        d, n_q = cfg.head_dim, cfg.num_heads
+        n_qk = n_q + cfg.num_kv_heads  # q and k heads
+        h = x * _inv_rms_rows(x, cfg.rms_norm_eps)
+        qkv = lone.w_qkv.addmm(lone.b_qkv, h).view(x.shape[0], -1, d)  # [n, heads, D]
+        qk = qkv[:, :n_qk]
+        inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
+        qk = torch.matmul(torch.mul(qk, lone.qk_norm).mul_(inv_rms[..., None]), rope)
+        return qk[:, :n_q], qk[:, n_q:], qkv[:, n_qk:]
+
+    def _rows_mlp(self, x: torch.Tensor, layer: LayerWeights, lone: _LoneLayer) -> torch.Tensor:
+        """x [n, H] (attention's residual added) plus the layer's MLP or MoE of it."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        if layer.b_o is not None:
+            x = x + layer.b_o
+        if layer.router is None:
+            h = ref.rms_norm(x, layer.post_attention_norm, eps)
+            return x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
+        # MoE: rows grouped by expert, so each chosen expert's weights are read once.
+        n = x.shape[0]
+        h = x * _inv_rms_rows(x, eps)
+        routed: dict[int, tuple[list[int], list[float]]] = {}
+        for row, logits in enumerate(torch.mm(h, lone.router.t()).tolist()):
+            for expert, weight in ref.route_one(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob):
+                rows, weights = routed.setdefault(expert, ([], []))
+                rows.append(row)
+                weights.append(weight)
+        h = h.to(self._lone_input)
+        for expert, (rows, weights) in routed.items():
+            every = len(rows) == n  # no gather or scatter
+            gate, up = lone.gate_up[expert].mm(h if every else h[rows]).chunk(2, dim=-1)
+            y = torch.mul(lone.down[expert].mm(F.silu(gate).mul_(up)), torch.tensor(weights)[:, None])  # fp32
+            x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
+        return x
 
     def _attention(self, h, layer: LayerWeights, index, positions, cos, sin, cache: KVCache):
         cfg = self.config

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgpack
 
 PROTOCOL_VERSION = 1
+MAX_BEAMS = 8  # a beam search's rows go through one lean forward (engine.model.LONE_MAX_ROWS)
 MAX_FRAME_BYTES = 8 << 20  # a 5 MB file plus context fits; anything larger is refused
 HEADER = struct.Struct(">I")
 
@@ -98,6 +99,7 @@ class CompletionParams:
     client: str | None = None
     deadline_ms: float | None = None
     fim_order: str = "auto"
+    beams: int = 1  # > 1: beam search for a greedy completion (a single line), engine.beam_search
 
     @classmethod
     def from_params(cls, params) -> "CompletionParams":
@@ -133,6 +135,8 @@ class CompletionParams:
             raise ValueError("'chunks' must be a list of {path, text} maps")
         if p.deadline_ms is not None and (not isinstance(p.deadline_ms, (int, float)) or p.deadline_ms < 0):
             raise ValueError("'deadline_ms' must be a non-negative number")
+        if not isinstance(p.beams, int) or isinstance(p.beams, bool) or not 1 <= p.beams <= MAX_BEAMS:
+            raise ValueError(f"'beams' must be an integer in [1, {MAX_BEAMS}]")
         if p.fim_order not in ("auto", "psm", "spm"):
             raise ValueError("'fim_order' must be auto, psm or spm")
         p.stop, p.chunks = tuple(p.stop), tuple(p.chunks)

@@ -6,6 +6,10 @@ one prefill chunk (interactive completions before warm-ups) and one batched deco
 every decoding sequence. A long cold prompt therefore delays running decodes by at most one
 chunk, and a warm-up never delays a completion's prefill.
 
+A greedy request that asks for beams (`Request.beams`, a single line at the cursor) is searched
+with a beam (engine.beam_search) on the lean CPU path: one forward of its beams' rows a step,
+their own K/V beside the prompt's shared blocks, the chosen text released at the end.
+
 A lone greedy sequence on the CPU decodes speculatively (`speculative`): a prompt-lookup draft
 (engine.prompt_lookup) is verified by one lean forward over [last token] + draft, and the tokens
 greedy decoding would have produced go out one by one through the usual output path; K/V
@@ -27,11 +31,13 @@ from typing import Callable
 
 import torch
 
+from engine.beam_search import BeamSearch, BeamTails
 from engine.block_allocator import BlockAllocator, PoolExhausted
 from engine.kv_pool import KVPool, PagedBatch
 from engine.model import LONE_MAX_ROWS, Qwen3MoeModel
 from engine.output import OutputAssembler
 from engine.prompt_lookup import draft, writable_prefix
+from engine.protocol import MAX_BEAMS
 from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
@@ -58,6 +64,7 @@ class Request:
     deadline_s: float | None = None  # seconds after submission; then it ends with what it has
     return_logits: bool = False  # the first sampled position's logits in the final event
     forced_text: str = ""  # the first tokens must write this, and it is not released (token healing)
+    beams: int = 1  # > 1: beam search where greedy and the lean CPU path apply (engine.beam_search)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -91,10 +98,19 @@ class _Active:
     cancel_reason: str | None = None
     first_logits: torch.Tensor | None = None
     forcing: Forcing | None = None
+    beam: "_BeamState | None" = None
 
     @property
     def decoding(self) -> bool:
         return self.computed >= len(self.request.prompt_ids)
+
+
+@dataclass
+class _BeamState:
+    search: BeamSearch
+    tails: BeamTails
+    first_logits: torch.Tensor  # greedy starts from them where the lean path turns out not to apply
+    feed: tuple[list[int], list[int]] | None = None  # (parents, tokens) of the next step
 
 
 class Engine:
@@ -385,9 +401,17 @@ class Engine:
         if a.request.warm_only:
             self._finish(a, "warmed")
             return
+        if a.request.beams > 1 and self._start_beam_search(a, logits[0, -1]):
+            return
         self._accept(a, logits[0, -1], first=True, greedy_token=greedy)
 
     def _decode_step(self, batch: list[_Active]) -> None:
+        searching = [a for a in batch if a.beam is not None]
+        for a in searching:
+            self._beam_step(a)
+        batch = [a for a in batch if a not in searching]
+        if not batch:
+            return
         if len(batch) == 1 and self._speculative_step(batch[0]):
             return
         device = self.model.device
@@ -405,6 +429,50 @@ class Engine:
         for i, a in enumerate(batch):
             a.computed += 1
             self._accept(a, logits[i], greedy_token=greedy[i] if greedy is not None else None)
+
+    def _start_beam_search(self, a: _Active, logits: torch.Tensor) -> bool:
+        """Begin a beam search from the prompt's logits; False (greedy instead) where it does not
+        apply: sampling, CUDA graphs, or a model off the lean CPU path."""
+        req = a.request
+        if req.temperature >= GREEDY_BELOW or self.graphs is not None or not self.model.lean_rows_apply():
+            return False
+        search = BeamSearch(self.tokenizer, min(req.beams, MAX_BEAMS), a.output.max_tokens, req.stop,
+                            req.stop_at_eos, req.forced_text, self.vocab_limit)
+        a.first_logits = logits.clone() if req.return_logits else None
+        a.beam = _BeamState(search, BeamTails(self.model.config.num_layers), logits)
+        a.beam.feed = search.step(logits[None])
+        if a.beam.feed is None:
+            self._end_beam_search(a)
+        return True
+
+    def _beam_step(self, a: _Active) -> None:
+        state = a.beam
+        parents, tokens = state.feed
+        state.tails.select(parents)
+        view = PagedBatch(self.pool, [a.table.blocks], self.model.device)
+        logits = self.model.forward_beams(tokens, a.computed + state.tails.length, view, state.tails)
+        if logits is None:  # not on the lean path after all (e.g. an fp8 KV pool): greedy
+            a.beam = None
+            self._accept(a, state.first_logits, first=True)
+            return
+        state.feed = state.search.step(logits)
+        if state.feed is None:
+            self._end_beam_search(a)
+
+    def _end_beam_search(self, a: _Active) -> None:
+        """Release the chosen hypothesis through the output path (stops, healed text, budget as
+        for greedy); the beams' own K/V were never in the pool, so only the prompt is cached."""
+        search, a.beam = a.beam.search, None
+        a.first_token = time.monotonic()  # the first text the client sees
+        for token in search.answer():
+            delta = a.output.push(token)
+            a.tokens.append(token)
+            if delta:
+                self._emit(a, Event(a.request.id, "delta", text=delta))
+            if a.output.finished:
+                break
+        self.counters["completed"] += 1
+        self._finish(a, a.output.finish_reason or "eos")
 
     def _speculative_step(self, a: _Active) -> bool:
         """One verify forward of [last token] + a prompt-lookup draft; False (nothing done) where

@@ -282,7 +282,7 @@ class EngineServer:
         events: asyncio.Queue = asyncio.Queue()
         request = Request(
             prompt_ids, max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
-            seed=p.seed, stop=p.stop, warm_only=warm, client=p.client, forced_text=forced_text,
+            seed=p.seed, stop=p.stop, warm_only=warm, client=p.client, forced_text=forced_text, beams=p.beams,
             deadline_s=None if p.deadline_ms is None else p.deadline_ms / 1000.0,
             id=f"{conn.number}:{rid}:{secrets.token_hex(4)}",
         )

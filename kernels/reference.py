@@ -178,6 +178,26 @@ def attention_rows(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
     return _probs_times_value_runs(probs, value_runs).view(n_q, n, head_dim).transpose(0, 1)
 
 
+def attention_beams(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor],
+                    tail_keys: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
+    """Attention of B beams' rows at one position (beam search): every row sees the keys they
+    share (runs [n_i, Hkv, D], the prompt) and then its own beam's keys [B, t, Hkv, D] (its own
+    among them). q [B, Hq, D] with the softmax scale in it. Returns [B, Hq, D]."""
+    beams, n_q, head_dim = q.shape
+    n_kv = tail_keys.shape[2]
+    qb = q.view(beams, n_kv, n_q // n_kv, head_dim)  # [B, Hkv, group, D]
+    qg = qb.transpose(0, 1).reshape(n_kv, -1, head_dim)  # per KV head: every beam's query heads
+    shared = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)  # [Hkv, B*group, P]
+    own = torch.matmul(qb, tail_keys.permute(0, 2, 3, 1))  # [B, Hkv, group, t]
+    shared = shared.view(n_kv, beams, -1, shared.shape[-1]).transpose(0, 1)  # [B, Hkv, group, P]
+    probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+    n_shared = shared.shape[-1]
+    out_shared = _probs_times_value_runs(
+        probs[..., :n_shared].transpose(0, 1).reshape(n_kv, -1, n_shared), value_runs)  # [Hkv, B*group, D]
+    out_own = torch.matmul(probs[..., n_shared:], tail_values.permute(0, 2, 1, 3))  # [B, Hkv, group, D]
+    return (out_shared.view(n_kv, beams, -1, head_dim).transpose(0, 1) + out_own).reshape(beams, n_q, head_dim)
+
+
 @functools.lru_cache(maxsize=4)  # built once per forward, read by every layer
 def _tail_mask(n: int, seq: int, group: int, device: torch.device) -> torch.Tensor:
     """[group * n, S]: True at the keys after each of the last n rows (a group's rows repeat)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from engine.protocol import MAX_BEAMS
+
 MODEL_ENV_VAR = "WD_LSP_MODEL"
 MULTILINE_POLICIES = ("auto", "single", "multi")
 BACKENDS = ("engine", "openai")
@@ -60,6 +62,9 @@ class Settings:
     max_lines: int = 16
     enabled_languages: tuple[str, ...] = ("*",)
     temperature: float = 0.0
+    # Single-line completions by beam search over this many hypotheses (1: greedy); more exact
+    # lines for a little more time (BENCHMARKS.md, "Beam search for single-line completions").
+    beams: int = 4
     warm_on_change: bool = True
     request_timeout_ms: int = 10_000
 
@@ -77,6 +82,7 @@ _FIELDS = {
     "maxLines": ("max_lines", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 200),
     "enabledLanguages": ("enabled_languages", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "temperature": ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
+    "beams": ("beams", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BEAMS),
     "warmOnChange": ("warm_on_change", lambda v: isinstance(v, bool)),
     "requestTimeoutMs": ("request_timeout_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
     "backend": ("backend", lambda v: v in BACKENDS),

@@ -82,6 +82,8 @@ class EngineLink:
             max_tokens=s.max_tokens, temperature=float(s.temperature),
             stop=list(rules.stop_strings), client=key, deadline_ms=s.request_timeout_ms,
         )
+        if not rules.multiline and s.beams > 1:  # a block's lines stream as greedy writes them
+            params["beams"] = s.beams
         started = time.monotonic()
         first_token_ms = None
         text, stopped = "", False

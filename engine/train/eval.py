@@ -3,7 +3,8 @@
     python -m engine.train.eval --model engine/models/wd-coder-tiny [--files 100] [--json OUT]
 
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
-stop at end of middle), greedy, in PSM and SPM order; exact match and edit similarity. Bits per
+stop at end of middle), greedy (`--beams N`: single lines by beam search, as the server asks),
+in PSM and SPM order; exact match and edit similarity. Bits per
 byte: left-to-right loss over the first --bpb-tokens tokens of each file. Runs through the
 project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
 `--backend transformers` runs the same tasks through Hugging Face instead (without healing).
@@ -30,7 +31,7 @@ STOPS = {"single": ["\n"], "multi": []}
 
 
 class EngineBackend:
-    def __init__(self, model_dir: Path, heal: bool = True):
+    def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1):
         from engine.fim import build_fim_prompt, healed_text
         from engine.generate import complete
         from engine.loader import load_model
@@ -40,6 +41,7 @@ class EngineBackend:
         self.tok = Tokenizer.from_dir(model_dir)
         self._complete, self._prompt, self._healed = complete, build_fim_prompt, healed_text
         self.heal = heal
+        self.beams = beams  # single-line tasks only: what the language server asks for
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -48,7 +50,7 @@ class EngineBackend:
         ids = self._prompt(self.tok, prefix, suffix, order, heal=self.heal)
         forced = self._healed(self.tok, prefix) if self.heal else ""
         text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
-                                 stop=STOPS[kind], forced_text=forced)
+                                 stop=STOPS[kind], forced_text=forced, beams=self.beams if kind == "single" else 1)
         return text
 
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -117,14 +119,16 @@ def interval(hits: int, n: int, by_file: dict[str, list[int]]) -> tuple[float, f
 
 def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
         allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
-        heal: bool = True, tasks_per_file: int = 1, details=None) -> dict:
+        heal: bool = True, tasks_per_file: int = 1, details=None, beams: int = 1) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
     t0 = time.time()
-    backend = EngineBackend(model_dir, heal) if backend_name == "engine" else TransformersBackend(model_dir)
+    if beams > 1 and backend_name != "engine":
+        raise SystemExit("--beams runs through the engine only")
+    backend = EngineBackend(model_dir, heal, beams) if backend_name == "engine" else TransformersBackend(model_dir)
     result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
-              "tasks_per_file": tasks_per_file,
+              "tasks_per_file": tasks_per_file, "single_line_beams": beams,
               "token_healing": heal and backend_name == "engine", "load_s": round(time.time() - t0, 3)}
     for kind in kinds:
         tasks = make_tasks(docs, kind, seed, tasks_per_file)
@@ -172,6 +176,8 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
     ap.add_argument("--json", type=Path, help="also write the result here")
     ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
+    ap.add_argument("--beams", type=int, default=1,
+                    help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)")
     ap.add_argument("--details", type=Path, help="write every task's completion and exact match here (JSON lines)")
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
@@ -181,7 +187,7 @@ def main(argv=None) -> None:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training
             result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
                          args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
-                         tasks_per_file=args.tasks_per_file, details=details)
+                         tasks_per_file=args.tasks_per_file, details=details, beams=args.beams)
     finally:
         if details:
             details.close()

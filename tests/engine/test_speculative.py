@@ -112,16 +112,23 @@ def test_a_draft_stops_where_decoding_could_not_follow():
 
 # -- the engine: speculation on against off -----------------------------------------------------------
 
+# These compare texts token for token, so the lean path runs in fp32. With int8 weights a verify
+# forward rounds differently from a one-row step (bf16 results), and which near-tie flips with
+# that depends on the CPU's int8 kernel: 1 of 60 held-out completions differed (BENCHMARKS.md).
 @pytest.fixture(scope="module")
 def tiny(checkpoint_factory):
     path = checkpoint_factory()
-    return load_model(path), Tokenizer.from_dir(path)
+    model = load_model(path)
+    model.lone_weights = "fp32"
+    return model, Tokenizer.from_dir(path)
 
 
 @pytest.fixture(scope="module")
 def shipped():
     d = default_model_dir()
-    return load_model(d), Tokenizer.from_dir(d)
+    model = load_model(d)
+    model.lone_weights = "fp32"
+    return model, Tokenizer.from_dir(d)
 
 
 def run(engine, request):

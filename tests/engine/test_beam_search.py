@@ -1,0 +1,208 @@
+"""Beam search for single-line completions: the beams' lean forward against the general path, the
+search's rules on hand-made logits, and the same answer through `generate` and the engine."""
+
+import math
+
+import pytest
+import torch
+
+from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE, lone_path_model
+from engine.beam_search import BeamSearch, BeamTails
+from engine.fim import build_fim_prompt, healed_text
+from engine.generate import complete
+from engine.kv_pool import KVPool, PagedBatch
+from engine.loader import load_model
+from engine.models import default_model_dir
+from engine.protocol import CompletionParams
+from engine.scheduler import Engine, Request
+from engine.tokenizer import Tokenizer
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# -- the beams' lean forward -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+@pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
+def test_forward_beams_matches_each_beam_computed_alone(variant, form):
+    """Beams that share a prompt and differ after it: at every step each beam's logits equal the
+    general path's over that beam's whole sequence, also after beams are dropped and duplicated."""
+    model = lone_path_model(variant, form)
+    c = model.config
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, c.vocab_size, (11,), generator=g).tolist()
+    table = [3, 0, 2, 1]  # out of order: the prompt's keys lie in several runs of slots
+    pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], PagedBatch(pool, [table], "cpu"))
+    before = [k.clone() for k in pool.keys]
+    beams = [[t] for t in torch.randint(0, c.vocab_size, (3,), generator=g).tolist()]
+    tails = BeamTails(c.num_layers)
+    diffs = []
+    for parents in (None, [0, 1, 2], [2, 2, 0], [1, 0, 0, 2]):
+        if parents is not None:
+            tails.select(parents)
+            fresh = torch.randint(0, c.vocab_size, (len(parents),), generator=g).tolist()
+            beams = [beams[p] + [t] for p, t in zip(parents, fresh)]
+        position = len(prompt) + len(beams[0]) - 1
+        lean = model.forward_beams([b[-1] for b in beams], position, PagedBatch(pool, [table], "cpu"), tails)
+        assert lean.shape == (len(beams), c.vocab_size)
+        for row, beam in enumerate(beams):
+            ids = prompt + beam
+            alone = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                  model.new_cache(1, len(ids)))[0, -1]
+            diffs.append(_rel(lean[row], alone))
+            if form == "fp32":
+                assert torch.equal(lean[row].argmax(), alone.argmax())
+    diffs.sort()
+    if form == "int8":
+        assert 0 < diffs[len(diffs) // 2] < TOLERANCE[form]
+    else:
+        assert diffs[-1] < TOLERANCE[form]
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.keys))  # the beams never write the pool
+
+
+def test_forward_beams_declines_where_it_does_not_apply():
+    model = lone_path_model("moe", "fp32")
+    c = model.config
+    model.lone_decode = False
+    tails = BeamTails(c.num_layers)
+    assert model.forward_beams([1, 2], 4, model.new_cache(1, 8), tails) is None
+    model.lone_decode = True
+    assert model.forward_beams([1] * 10, 4, model.new_cache(1, 8), tails) is None  # more rows than one forward takes
+
+
+# -- the search's rules, on hand-made logits --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped():
+    model_dir = default_model_dir()
+    return load_model(model_dir), Tokenizer.from_dir(model_dir)
+
+
+def _logits(tok, vocab, wanted: dict[str, float]):
+    """Logits that give each text's (one) token the wanted probability, the rest ~0."""
+    out = torch.full((vocab,), -30.0)
+    for text, p in wanted.items():
+        ids = tok.encode(text)
+        assert len(ids) == 1, text
+        out[ids[0]] = math.log(p)
+    return out
+
+
+def test_search_prefers_the_likelier_line_and_never_answers_a_blank_one(shipped):
+    model, tok = shipped
+    v = model.config.vocab_size
+    search = BeamSearch(tok, 2, max_tokens=8, stop=("\n",))
+    # Step 1: ending the line at once is likeliest (0.5), then "x" (0.3), then "y" (0.2). The blank
+    # line is never the answer, and it does not take a beam's place.
+    feed = search.step(_logits(tok, v, {"\n": 0.5, "x": 0.3, "y": 0.2})[None])
+    parents, tokens = feed
+    assert [tok.decode([t]) for t in tokens] == ["x", "y"] and parents == [0, 0]
+    # Step 2: greedy would write "x1" (0.3 * 0.6 = 0.18); "y" then the line's end is likelier (0.2 *
+    # 0.95 = 0.19), and nothing after "x1" can beat it.
+    feed = search.step(torch.stack([_logits(tok, v, {"\n": 0.4, "1": 0.6}), _logits(tok, v, {"\n": 0.95, "2": 0.05})]))
+    assert feed is None and search.done
+    assert tok.decode(search.answer()) == "y\n"
+
+
+def test_search_ends_when_no_live_beam_can_beat_the_best_finished_one(shipped):
+    model, tok = shipped
+    v = model.config.vocab_size
+    search = BeamSearch(tok, 3, max_tokens=8, stop=("\n",))
+    search.step(_logits(tok, v, {"a": 0.6, "b": 0.3, "c": 0.1})[None])
+    # "a" ends (0.6 * 0.9 = 0.54): "b" (0.3) and "c" (0.1) can only fall below it.
+    feed = search.step(torch.stack([_logits(tok, v, {"\n": 0.9, "d": 0.1}),
+                                    _logits(tok, v, {"\n": 0.5, "e": 0.5}),
+                                    _logits(tok, v, {"\n": 0.5, "f": 0.5})]))
+    assert feed is None and search.done
+    assert tok.decode(search.answer()) == "a\n"
+
+
+def test_search_keeps_the_healed_text_and_the_token_budget(shipped):
+    model, tok = shipped
+    v = model.config.vocab_size
+    search = BeamSearch(tok, 2, max_tokens=2, stop=("\n",), forced_text="    ")
+    logits = torch.zeros(v)
+    logits[tok.encode("x")[0]] = 5.0  # would be the pick without the healed indentation
+    feed = search.step(logits[None])
+    assert all(tok.decode([t]).startswith("    ") or "    ".startswith(tok.decode([t])) for t in feed[1])
+    steps = 1
+    while feed is not None:
+        feed = search.step(torch.randn(len(feed[1]), v, generator=torch.Generator().manual_seed(steps)))
+        steps += 1
+    text = tok.decode(search.answer())
+    assert text.startswith("    ")
+    assert steps <= 6  # the budget: at most 2 tokens after the healed text
+
+
+def test_width_must_fit_one_forward(shipped):
+    _, tok = shipped
+    with pytest.raises(ValueError):
+        BeamSearch(tok, 9, max_tokens=8)
+    with pytest.raises(ValueError):
+        CompletionParams.from_params({"prefix": "x", "beams": 0})
+    with pytest.raises(ValueError):
+        CompletionParams.from_params({"prefix": "x", "beams": True})
+    assert CompletionParams.from_params({"prefix": "x", "beams": 4}).beams == 4
+
+
+# -- through generate and the engine ----------------------------------------------------------------
+
+PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef write_lines(path, lines):\n    with open(path, \"w\") as f:\n        "
+SUFFIX = "\n\n\ndef main():\n    lines = read_lines(\"in.txt\")\n    write_lines(\"out.txt\", lines)\n"
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
+    model, tok = shipped
+    model.lone_weights = form
+    try:
+        prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+        forced = healed_text(tok, PREFIX)
+        greedy, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced)
+        text, stats = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4)
+        assert text.strip() and "\n" not in text
+        assert stats.finish_reason in ("stop", "eos")
+        engine = Engine(model, tok)
+        events = []
+        engine.submit(Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append)
+        engine.run_until_idle()
+        assert "".join(e.text for e in events if e.kind == "delta") == text
+        done = events[-1]
+        assert done.kind == "done" and done.finish_reason == stats.finish_reason
+        assert done.usage["completion_tokens"] == stats.completion_tokens
+        # Only the prompt went into the prefix cache: the beams' own K/V were never in the pool.
+        assert engine.allocator.match_prefix_partial(prompt + [1, 2, 3], len(prompt) + 3)[1] <= len(prompt)
+        # Beams of 1 are greedy.
+        one, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1)
+        assert one == greedy
+    finally:
+        model.lone_weights = "int8" if form == "fp32" else model.lone_weights
+
+
+def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    engine = Engine(model, tok)
+    events = []
+    rid = engine.submit(Request(prompt, max_tokens=24, beams=4), events.append)  # no stop: a long search
+    engine.step()  # the prompt
+    engine.step()  # one beam step
+    engine.cancel(rid)
+    engine.run_until_idle()
+    assert events[-1].kind == "done" and events[-1].finish_reason == "cancelled"
+    assert not engine.running and engine.allocator.stats().blocks_used == 0
+    # The engine goes on: the next request is served.
+    engine.submit(Request(prompt, max_tokens=4, beams=4, stop=("\n",)), events.append)
+    engine.run_until_idle()
+    assert events[-1].kind == "done"
+
+
+def test_sampling_requests_ignore_beams(shipped):
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    a, _ = complete(model, tok, prompt, max_tokens=8, temperature=0.8, seed=3, beams=4)
+    b, _ = complete(model, tok, prompt, max_tokens=8, temperature=0.8, seed=3)
+    assert a == b

@@ -1,0 +1,63 @@
+"""What the server asks the engine for: beam search for single lines only, as configured."""
+
+import asyncio
+from types import SimpleNamespace
+
+from engine.protocol import CompletionParams
+from wd_lsp.config import Settings, merge_settings
+from wd_lsp.engine_link import EngineLink
+from wd_lsp.shape import StopRules
+
+
+class RecordingClient:
+    """Stands in for the engine: records the parameters, answers one line."""
+
+    def __init__(self):
+        self.params = []
+
+    async def complete(self, params):
+        self.params.append(params)
+        return OneLine()
+
+
+class OneLine:
+    result = {"finish_reason": "stop"}
+
+    async def __aiter__(self):
+        yield "x = 1"
+
+    async def cancel(self):
+        pass
+
+
+def _asked(settings: Settings, rules: StopRules) -> dict:
+    link = EngineLink(lambda *_: None, lambda *_: None)
+    link.configure(settings)
+    client = RecordingClient()
+
+    async def connected():
+        return client
+
+    link.ensure_connected = connected
+    ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
+    answer = asyncio.run(link.complete(ctx, rules, "doc"))
+    assert answer.text == "x = 1"
+    CompletionParams.from_params(client.params[0])  # the engine would accept it
+    return client.params[0]
+
+
+def test_single_lines_ask_for_beams_and_blocks_do_not():
+    single = StopRules(multiline=False, stop_strings=("\n",))
+    block = StopRules(multiline=True, max_lines=8)
+    assert _asked(Settings(), single)["beams"] == 4  # the default
+    assert "beams" not in _asked(Settings(), block)  # a block streams as greedy writes it
+    greedy = merge_settings(Settings(), {"wdLsp": {"beams": 1}})
+    assert "beams" not in _asked(greedy, single)
+    assert _asked(merge_settings(Settings(), {"beams": 2}), single)["beams"] == 2
+
+
+def test_bad_beam_settings_are_ignored_with_a_warning():
+    warnings = []
+    for bad in (0, 9, True, "4", 2.5):
+        assert merge_settings(Settings(), {"beams": bad}, warnings.append).beams == 4
+    assert len(warnings) == 5
