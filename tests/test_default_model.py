@@ -149,3 +149,17 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
     single = [d for d in details if d["kind"] == "single"]
     assert sum(d["exact"] for d in single) / 4 == result["single_spm"]["exact_match"]
     assert 0.0 < result["bits_per_byte"] < 8.0
+
+
+@needs_engine
+def test_eval_by_beam_search_answers_every_single_line(tmp_path):
+    from engine.train import eval as evaluation
+
+    out, details = tmp_path / "eval.json", tmp_path / "d.jsonl"
+    evaluation.main(["--model", str(MODEL_DIR), "--files", "3", "--kinds", "single", "--orders", "spm",
+                     "--bpb-tokens", "0", "--tasks-per-file", "2", "--allow-changed", "--beams", "4",
+                     "--json", str(out), "--details", str(details)])
+    result = json.loads(out.read_text())
+    assert result["single_line_beams"] == 4 and result["single_spm"]["tasks"] == 6
+    preds = [json.loads(line)["pred"] for line in details.read_text().splitlines()]
+    assert len(preds) == 6 and all(p.strip() and "\n" not in p for p in preds)  # never a blank line

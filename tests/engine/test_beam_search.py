@@ -157,7 +157,7 @@ SUFFIX = "\n\n\ndef main():\n    lines = read_lines(\"in.txt\")\n    write_lines
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
     model, tok = shipped
-    model.lone_weights = form
+    default, model.lone_weights = model.lone_weights, form
     try:
         prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
         forced = healed_text(tok, PREFIX)
@@ -179,7 +179,7 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
         one, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1)
         assert one == greedy
     finally:
-        model.lone_weights = "int8" if form == "fp32" else model.lone_weights
+        model.lone_weights = default
 
 
 def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
@@ -206,3 +206,22 @@ def test_sampling_requests_ignore_beams(shipped):
     a, _ = complete(model, tok, prompt, max_tokens=8, temperature=0.8, seed=3, beams=4)
     b, _ = complete(model, tok, prompt, max_tokens=8, temperature=0.8, seed=3)
     assert a == b
+
+
+def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
+    import subprocess
+    import sys
+
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    expected, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, PREFIX),
+                           beams=4)
+    args = [sys.executable, "-m", "engine.cli", "generate", "--fim-prefix", PREFIX, "--fim-suffix", SUFFIX,
+            "--fim-order", "spm", "--stop", "\n", "--max-tokens", "24"]
+    if model.lone_weights == "fp32":
+        args += ["--cpu-decode-weights", "fp32"]
+    result = subprocess.run(args + ["--beams", "4"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected and expected.strip()
+    result = subprocess.run(args + ["--beams", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "beams" in result.stderr
