@@ -83,7 +83,6 @@ class BeamSearch:
         self.live = [Hypothesis(0.0, [], forcing_for(tokenizer, forced_text))]
         self.best: Hypothesis | None = None  # the best finished one with text
         self.best_blank: Hypothesis | None = None  # the answer only if nothing else finishes
-        self.steps = 0
 
     @property
     def done(self) -> bool:
@@ -93,7 +92,6 @@ class BeamSearch:
         """Take the live hypotheses' next-token logits [B, V] (row i: live hypothesis i); return
         (parents, tokens) to compute next, beam i being old beam parents[i] plus tokens[i], or
         None when the search is over (then `answer()`)."""
-        self.steps += 1
         candidates = []
         for row, hyp in enumerate(self.live):
             scores = logits[row, : self.vocab_limit] if self.vocab_limit else logits[row]
@@ -101,7 +99,7 @@ class BeamSearch:
             if hyp.forcing is not None and hyp.forcing.active:
                 scores = hyp.forcing.mask(scores)
             # Twice the width, so that hypotheses finishing here leave enough to go on with.
-            top = torch.topk(F.log_softmax(scores, dim=-1), 2 * self.width)
+            top = torch.topk(F.log_softmax(scores, dim=-1), min(2 * self.width, scores.shape[-1]))
             for value, token in zip(top.values.tolist(), top.indices.tolist()):
                 if value != float("-inf"):
                     candidates.append((hyp.score + value, row, token))

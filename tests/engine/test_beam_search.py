@@ -225,3 +225,19 @@ def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
     assert result.stdout == expected and expected.strip()
     result = subprocess.run(args + ["--beams", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "beams" in result.stderr
+
+
+def test_an_fp8_kv_pool_decodes_greedily_instead(shipped):
+    """The beams' lean forward reads the prompt's K/V in place, which an fp8 pool cannot give."""
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    forced = healed_text(tok, PREFIX)
+    texts = []
+    for beams in (1, 4):
+        engine = Engine(model, tok, kv_fp8=True)
+        events = []
+        engine.submit(Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams), events.append)
+        engine.run_until_idle()
+        assert events[-1].kind == "done"
+        texts.append("".join(e.text for e in events if e.kind == "delta"))
+    assert texts[0] == texts[1]
