@@ -15,6 +15,7 @@ export interface ServerSettings {
   multiline: 'auto' | 'single' | 'multi';
   enabledLanguages: string[];
   temperature: number;
+  beams: number;
   backend?: 'engine' | 'openai';
   openai?: { baseUrl?: string; apiKey?: string; model?: string; fim?: 'template' | 'suffix' };
 }
@@ -68,6 +69,7 @@ export function serverSettings(get: Getter): ServerSettings {
         ? languages.filter((l): l is string => typeof l === 'string')
         : ['*'],
     temperature: num(get('temperature'), 0, 0),
+    beams: Math.min(8, Math.round(num(get('beams'), 4, 1))),
     ...(backend !== null ? { backend } : {}),
     ...(Object.keys(openai).length > 0 ? { openai } : {}),
   };

@@ -13,6 +13,7 @@ test('defaults match the server defaults', () => {
     multiline: 'auto',
     enabledLanguages: ['*'],
     temperature: 0,
+    beams: 4,
   });
 });
 
@@ -29,6 +30,7 @@ test('settings map to server keys, empty strings mean unset', () => {
       multiline: 'single',
       enabledLanguages: ['python', 'lua'],
       temperature: 0.2,
+      beams: 12,
     }),
   );
   assert.equal(s.enabled, false);
@@ -39,6 +41,7 @@ test('settings map to server keys, empty strings mean unset', () => {
   assert.equal(s.multiline, 'single');
   assert.deepEqual(s.enabledLanguages, ['python', 'lua']);
   assert.equal(s.temperature, 0.2);
+  assert.equal(s.beams, 8);
 });
 
 test('bad values fall back to defaults', () => {

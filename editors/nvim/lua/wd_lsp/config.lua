@@ -13,7 +13,7 @@ M.defaults = {
   root_markers = { '.git', 'pyproject.toml', 'package.json', 'Cargo.toml', 'go.mod', 'Makefile' },
   -- Server configuration, sent as initializationOptions and workspace/didChangeConfiguration
   -- under "wdLsp". Keys left nil take the server's defaults: enabled, model, engine
-  -- ({socket, tcp, token}), debounceMs, maxTokens, multiline, enabledLanguages, temperature.
+  -- ({socket, tcp, token}), debounceMs, maxTokens, multiline, enabledLanguages, temperature, beams.
   settings = {},
   -- 'auto': Neovim's built-in vim.lsp.inline_completion on 0.12+, else extmark ghost text drawn by
   -- this plugin. 'native' or 'extmark' force one.
