@@ -2,15 +2,15 @@
 
 Greedy decoding takes the likeliest token at each step; the likeliest whole line can start with a
 token that greedy passes over. On the held-out single-line FIM tasks the model scored the true
-line above greedy's output in about a sixth of greedy's misses, and a beam of 4 (with blank
-completions never answered) turned more of them into exact matches than it lost (BENCHMARKS.md,
+line above greedy's output in about a sixth of greedy's misses, and a beam of 4 (blank
+completions not answered) turned more of them into exact matches than it lost (BENCHMARKS.md,
 "Beam search for single-line completions").
 
 The search keeps the `width` likeliest unfinished hypotheses (sum of token log-probabilities),
 each token constrained as greedy's would be (forbidden ids, the healed text at the cursor). A
 hypothesis finishes at an ending token, a stop string or the token budget. Scores only fall as a
 hypothesis grows, so the search ends once no unfinished one scores above the best finished one.
-A finished hypothesis whose text is blank is never the answer while another is possible: a
+A finished hypothesis whose text is blank is the answer only if every finished one is blank: a
 suggestion that writes nothing is no suggestion. The caller feeds the chosen tokens through its
 usual output path, so stop strings, the healed text and the budget apply exactly as for greedy.
 
@@ -128,10 +128,11 @@ class BeamSearch:
             return None
         return [row for row, _ in kept], [hyp.tokens[-1] for hyp in self.live]
 
-    def answer(self) -> list[int]:
-        """The tokens of the likeliest finished hypothesis with text (else of the likeliest blank
-        one, else none): feed them through the usual output path."""
-        best = self.best or self.best_blank
+    def answer(self, partial: bool = False) -> list[int]:
+        """The tokens of the likeliest finished hypothesis with text (else, with `partial` (a
+        deadline), of the likeliest live one; else of the likeliest blank one; else none): feed
+        them through the usual output path."""
+        best = self.best or (self.live[0] if partial and self.live else None) or self.best_blank
         return list(best.tokens) if best is not None else []
 
     def _may_win(self, score: float) -> bool:

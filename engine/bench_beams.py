@@ -20,6 +20,7 @@ import torch
 from engine.fim import build_fim_prompt, healed_text
 from engine.loader import load_model
 from engine.models import default_model_dir
+from engine.protocol import MAX_BEAMS
 from engine.scheduler import Engine, Request
 from engine.tokenizer import Tokenizer
 
@@ -42,6 +43,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tasks", type=int, default=60)
     ap.add_argument("--beams", type=int, default=4)
     args = ap.parse_args(argv)
+    if not 2 <= args.beams <= MAX_BEAMS:
+        ap.error(f"--beams must be within 2..{MAX_BEAMS} (1 is the greedy baseline itself)")
     model_dir = args.model or default_model_dir()
     torch.set_num_threads(1)  # the engine's decode steps run on one thread; prefill as the daemon's would on a busy host
     model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)

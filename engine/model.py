@@ -52,8 +52,9 @@ CPU_FREE_CORE_MARGIN = 0.5
 # decode step's weight copies double the weights' memory, and a big model's step streams enough
 # bytes to gain from every core. Past this many weight bytes the general path runs as before.
 CPU_SMALL_MODEL_MAX_BYTES = 1 << 30
-# The lean CPU forward of a few rows (`forward_tail`) serves at most this many: a decode step's
-# token and a speculative draft behind it.
+# The lean CPU forward of a few rows serves at most this many: a decode step's token and a
+# speculative draft behind it (`forward_tail`), or a beam search's beams (`forward_beams`,
+# engine.protocol.MAX_BEAMS of them at most).
 LONE_MAX_ROWS = 9
 # With int8 lone weights, the logits within this much of a step's best are computed again in
 # fp32 (`Qwen3MoeModel._lone_logits`). Over 234 decode steps on held-out files, the int8 lm_head

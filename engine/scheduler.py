@@ -291,6 +291,8 @@ class Engine:
                 a.cancel_reason = "deadline"
             if a.cancel_reason is not None:
                 self.counters["cancelled"] += 1
+                if a.beam is not None and a.cancel_reason == "deadline":  # greedy's would end with what it has
+                    self._release_beam_answer(a, a.beam.search.answer(partial=True))
                 self._finish(a, a.cancel_reason)
 
     def _admit(self) -> None:
@@ -406,10 +408,9 @@ class Engine:
         self._accept(a, logits[0, -1], first=True, greedy_token=greedy)
 
     def _decode_step(self, batch: list[_Active]) -> None:
-        searching = [a for a in batch if a.beam is not None]
+        searching, batch = [a for a in batch if a.beam is not None], [a for a in batch if a.beam is None]
         for a in searching:
             self._beam_step(a)
-        batch = [a for a in batch if a not in searching]
         if not batch:
             return
         if len(batch) == 1 and self._speculative_step(batch[0]):
@@ -432,9 +433,10 @@ class Engine:
 
     def _start_beam_search(self, a: _Active, logits: torch.Tensor) -> bool:
         """Begin a beam search from the prompt's logits; False (greedy instead) where it does not
-        apply: sampling, CUDA graphs, or a model off the lean CPU path."""
+        apply: sampling, CUDA graphs, an fp8 KV pool, or a model off the lean CPU path."""
         req = a.request
-        if req.temperature >= GREEDY_BELOW or self.graphs is not None or not self.model.lean_rows_apply():
+        if (req.temperature >= GREEDY_BELOW or self.graphs is not None or self.pool.fp8
+                or not self.model.lean_rows_apply()):
             return False
         search = BeamSearch(self.tokenizer, min(req.beams, MAX_BEAMS), a.output.max_tokens, req.stop,
                             req.stop_at_eos, req.forced_text, self.vocab_limit)
@@ -462,17 +464,20 @@ class Engine:
     def _end_beam_search(self, a: _Active) -> None:
         """Release the chosen hypothesis through the output path (stops, healed text, budget as
         for greedy); the beams' own K/V were never in the pool, so only the prompt is cached."""
-        search, a.beam = a.beam.search, None
+        self._release_beam_answer(a, a.beam.search.answer())
+        self.counters["completed"] += 1
+        self._finish(a, a.output.finish_reason or "eos")
+
+    def _release_beam_answer(self, a: _Active, tokens: list[int]) -> None:
+        a.beam = None
         a.first_token = time.monotonic()  # the first text the client sees
-        for token in search.answer():
+        for token in tokens:
             delta = a.output.push(token)
             a.tokens.append(token)
             if delta:
                 self._emit(a, Event(a.request.id, "delta", text=delta))
             if a.output.finished:
                 break
-        self.counters["completed"] += 1
-        self._finish(a, a.output.finish_reason or "eos")
 
     def _speculative_step(self, a: _Active) -> bool:
         """One verify forward of [last token] + a prompt-lookup draft; False (nothing done) where

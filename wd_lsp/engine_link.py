@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.client import CompletionStream, EngineClient, EngineError, EngineUnavailable, SpawnConfig
+from engine.protocol import BAD_REQUEST
 
 from .config import Settings
 from .context import CompletionContext
@@ -40,6 +41,7 @@ class EngineLink:
         self.model_info: dict | None = None
         self._error_logged = False
         self._restart_task: asyncio.Task | None = None
+        self._beams_refused = False  # the connected engine predates beam search
 
     def configure(self, settings: Settings) -> None:
         """New settings; a changed engine address or model takes effect at the next connect."""
@@ -69,21 +71,35 @@ class EngineLink:
                 raise EngineUnavailable(str(exc)) from exc
             self.model_info = info.get("model")
             self._error_logged = False
+            self._beams_refused = False
             self._set_state("ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}")
         return self.client
 
     async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
         """Stream a completion, stopping the engine as soon as a stop rule fires."""
         s = self.settings
-        client = await self.ensure_connected()
         params = dict(
             prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
             chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
             max_tokens=s.max_tokens, temperature=float(s.temperature),
             stop=list(rules.stop_strings), client=key, deadline_ms=s.request_timeout_ms,
         )
-        if not rules.multiline and s.beams > 1:  # a block's lines stream as greedy writes them
+        if not rules.multiline and s.beams > 1 and not self._beams_refused:  # a block streams as greedy writes it
             params["beams"] = s.beams
+        try:
+            return await self._complete(params, rules)
+        except EngineError as exc:
+            # A daemon started by an older wd-lsp (it stays resident) knows no beams: greedy
+            # until the next connection.
+            if not (exc.code == BAD_REQUEST and "beams" in exc.message and params.pop("beams", None)):
+                raise
+            self._beams_refused = True
+            log.warning("the running engine does not take 'beams' (wdLsp.restartEngine updates it); decoding greedily")
+            return await self._complete(params, rules)
+
+    async def _complete(self, params: dict, rules: StopRules) -> EngineAnswer:
+        s = self.settings
+        client = await self.ensure_connected()
         started = time.monotonic()
         first_token_ms = None
         text, stopped = "", False

@@ -182,6 +182,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
+    if not 1 <= args.beams <= 8:
+        ap.error("--beams must be within 1..8")
     details = open(args.details, "w") if args.details else None
     try:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training

@@ -155,9 +155,12 @@ SUFFIX = "\n\n\ndef main():\n    lines = read_lines(\"in.txt\")\n    write_lines
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
-def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
+def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkeypatch):
     model, tok = shipped
     default, model.lone_weights = model.lone_weights, form
+    rows = []  # the beams of every search step: proof that the search ran, not greedy
+    lean = model.forward_beams
+    monkeypatch.setattr(model, "forward_beams", lambda tokens, *a: (rows.append(len(tokens)), lean(tokens, *a))[1])
     try:
         prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
         forced = healed_text(tok, PREFIX)
@@ -165,6 +168,8 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
         text, stats = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4)
         assert text.strip() and "\n" not in text
         assert stats.finish_reason in ("stop", "eos")
+        assert max(rows) == 4
+        steps = len(rows)
         engine = Engine(model, tok)
         events = []
         engine.submit(Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append)
@@ -173,8 +178,11 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form):
         done = events[-1]
         assert done.kind == "done" and done.finish_reason == stats.finish_reason
         assert done.usage["completion_tokens"] == stats.completion_tokens
+        assert len(rows) == 2 * steps  # the engine searched as generate did
         # Only the prompt went into the prefix cache: the beams' own K/V were never in the pool.
-        assert engine.allocator.match_prefix_partial(prompt + [1, 2, 3], len(prompt) + 3)[1] <= len(prompt)
+        shared, cached = engine.allocator.match_prefix_partial(prompt + stats.token_ids, len(prompt) + 8)
+        engine.allocator.release(shared)
+        assert cached == len(prompt)
         # Beams of 1 are greedy.
         one, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1)
         assert one == greedy
@@ -198,6 +206,39 @@ def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
     engine.submit(Request(prompt, max_tokens=4, beams=4, stop=("\n",)), events.append)
     engine.run_until_idle()
     assert events[-1].kind == "done"
+
+
+def test_a_deadline_during_the_search_ends_with_the_likeliest_line_so_far(shipped):
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    engine = Engine(model, tok)
+    events = []
+    request = Request(prompt, max_tokens=24, beams=4, deadline_s=60.0)  # no stop: a long search
+    engine.submit(request, events.append)
+    for _ in range(4):  # the prompt, then three beam steps
+        engine.step()
+    request.deadline_s = 0.0
+    engine.run_until_idle()
+    assert events[-1].kind == "done" and events[-1].finish_reason == "deadline"
+    assert "".join(e.text for e in events if e.kind == "delta")  # what the search had, as greedy would
+    assert engine.allocator.stats().blocks_used == 0
+
+
+def test_beams_fit_one_lean_forward():
+    from engine.model import LONE_MAX_ROWS
+    from engine.protocol import MAX_BEAMS
+
+    assert MAX_BEAMS <= LONE_MAX_ROWS
+
+
+def test_a_plain_cache_gives_the_prompt_run_and_refuses_a_gap():
+    model = lone_path_model("moe", "fp32")
+    cache = model.new_cache(1, 4)
+    model.forward(torch.tensor([[3, 1, 4]]), torch.arange(3)[None], cache)
+    assert cache.lone_rows(3, 0)[1] == [(0, 3)]  # a beam search's shared prompt
+    slots, runs = cache.lone_rows(3, 2)  # two new rows
+    assert slots.tolist() == [3, 4] and runs == [(0, 5)] and cache.capacity >= 5
+    assert cache.lone_rows(7, 0) is None  # positions 5 and 6 were never written
 
 
 def test_sampling_requests_ignore_beams(shipped):

@@ -3,6 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
+from engine.client import EngineError
 from engine.protocol import CompletionParams
 from wd_lsp.config import Settings, merge_settings
 from wd_lsp.engine_link import EngineLink
@@ -61,3 +62,30 @@ def test_bad_beam_settings_are_ignored_with_a_warning():
     for bad in (0, 9, True, "4", 2.5):
         assert merge_settings(Settings(), {"beams": bad}, warnings.append).beams == 4
     assert len(warnings) == 5
+
+
+class OldEngine(RecordingClient):
+    """An engine daemon started by an older wd-lsp: it refuses the 'beams' parameter."""
+
+    async def complete(self, params):
+        self.params.append(dict(params))
+        if "beams" in params:
+            raise EngineError("bad_request", "unknown parameters: beams")
+        return OneLine()
+
+
+def test_an_engine_that_predates_beams_gets_greedy_requests():
+    link = EngineLink(lambda *_: None, lambda *_: None)
+    link.configure(Settings())
+    engine = OldEngine()
+
+    async def connected():
+        return engine
+
+    link.ensure_connected = connected
+    ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
+    single = StopRules(multiline=False, stop_strings=("\n",))
+    for _ in range(2):
+        assert asyncio.run(link.complete(ctx, single, "doc")).text == "x = 1"
+    # Refused once, then asked again without it; the next request does not ask at all.
+    assert ["beams" in p for p in engine.params] == [True, False, False]
