@@ -64,7 +64,7 @@ class Settings:
     temperature: float = 0.0
     # Single-line completions by beam search over this many hypotheses (1: greedy); more exact
     # lines for a little more time (BENCHMARKS.md, "Beam search for single-line completions").
-    beams: int = 4
+    beams: int = 2
     warm_on_change: bool = True
     request_timeout_ms: int = 10_000
 

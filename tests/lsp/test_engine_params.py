@@ -50,17 +50,17 @@ def _asked(settings: Settings, rules: StopRules) -> dict:
 def test_single_lines_ask_for_beams_and_blocks_do_not():
     single = StopRules(multiline=False, stop_strings=("\n",))
     block = StopRules(multiline=True, max_lines=8)
-    assert _asked(Settings(), single)["beams"] == 4  # the default
+    assert _asked(Settings(), single)["beams"] == 2  # the default
     assert "beams" not in _asked(Settings(), block)  # a block streams as greedy writes it
     greedy = merge_settings(Settings(), {"wdLsp": {"beams": 1}})
     assert "beams" not in _asked(greedy, single)
-    assert _asked(merge_settings(Settings(), {"beams": 2}), single)["beams"] == 2
+    assert _asked(merge_settings(Settings(), {"beams": 4}), single)["beams"] == 4
 
 
 def test_bad_beam_settings_are_ignored_with_a_warning():
     warnings = []
     for bad in (0, 9, True, "4", 2.5):
-        assert merge_settings(Settings(), {"beams": bad}, warnings.append).beams == 4
+        assert merge_settings(Settings(), {"beams": bad}, warnings.append).beams == 2
     assert len(warnings) == 5
 
 

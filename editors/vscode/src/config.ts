@@ -69,7 +69,7 @@ export function serverSettings(get: Getter): ServerSettings {
         ? languages.filter((l): l is string => typeof l === 'string')
         : ['*'],
     temperature: num(get('temperature'), 0, 0),
-    beams: Math.min(8, Math.round(num(get('beams'), 4, 1))),
+    beams: Math.min(8, Math.round(num(get('beams'), 2, 1))),
     ...(backend !== null ? { backend } : {}),
     ...(Object.keys(openai).length > 0 ? { openai } : {}),
   };

@@ -13,7 +13,7 @@ test('defaults match the server defaults', () => {
     multiline: 'auto',
     enabledLanguages: ['*'],
     temperature: 0,
-    beams: 4,
+    beams: 2,
   });
 });
 
