@@ -102,6 +102,11 @@ def _random_model(args: argparse.Namespace):
     return model
 
 
+CPU_DECODE_WEIGHTS_HELP = ("weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
+                           "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as "
+                           "prefill does")
+
+
 def set_cpu_decode_weights(model, form: str | None) -> None:
     """The weights the lean CPU decode step streams (engine.lone_matrices); None keeps the
     model's default. int8 needs torch's int8 product."""
@@ -165,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         log.info("loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)", name,
                  1000 * (time.perf_counter() - t0), args.device, model.dtype, args.moe_path,
-                 model.lone_weights if model._lone_path_applies() else "unused")
+                 model.lone_weights if model.lone_path_applies() else "unused")
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
         print(f"wd-engine: cannot load model {name}: {exc}", file=sys.stderr)
@@ -245,9 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
-    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"),
-                    help="weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
-                    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as prefill does")
+    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
@@ -274,9 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
     serve.add_argument("--no-speculative", action="store_true",
                        help="decode one token per step, no prompt-lookup drafts (for comparisons)")
-    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"),
-                    help="weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
-                    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as prefill does")
+    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
     serve.add_argument("--prefill-chunk", type=int,
                        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)

@@ -78,7 +78,7 @@ class GenerationStream:
         # beams > 1: beam search (engine.beam_search) where greedy and the lean CPU path apply;
         # the text comes out at the end, through the same output path.
         self.search = None
-        if beams > 1 and temperature < GREEDY_BELOW and model.lean_rows_apply():
+        if beams > 1 and temperature < GREEDY_BELOW and model.lone_path_applies():
             self.search = BeamSearch(tokenizer, beams, self.max_tokens, stop, stop_at_eos, forced_text)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.text = ""
@@ -118,9 +118,8 @@ class GenerationStream:
         out = self.output
         stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        chosen = self._beam_search(logits, cache, position) if self.search is not None else None
-        if chosen is not None:  # the search is the decode time; its text comes out at the end
-            for token in chosen:
+        if self.search is not None:  # the search is the decode time; its text comes out at the end
+            for token in self._beam_search(logits, cache, position):
                 yield out.push(token)
                 if out.finished:
                     break
@@ -142,17 +141,14 @@ class GenerationStream:
         stats.completion_tokens = out.completion_tokens
         stats.forced_tokens = out.forced_tokens
 
-
-    def _beam_search(self, logits: torch.Tensor, cache, position: int) -> list[int] | None:
-        """The search's chosen tokens, or None where the lean path does not apply (then greedy)."""
+    def _beam_search(self, logits: torch.Tensor, cache, position: int) -> list[int]:
+        """The search's chosen tokens (it runs only where the lean path applies)."""
         search, tails = self.search, BeamTails(self.model.config.num_layers)
         feed = search.step(logits)
         while feed is not None:
             parents, tokens = feed
             tails.select(parents)
             logits = self.model.forward_beams(tokens, position + tails.length, cache, tails)
-            if logits is None:
-                return None
             feed = search.step(logits)
         return search.answer()
 

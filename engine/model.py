@@ -216,7 +216,7 @@ class Qwen3MoeModel:
     def _forward(self, tokens, positions, cache, last_only):
         cfg = self.config
         batch, n_tokens = tokens.shape
-        if batch == 1 and n_tokens == 1 and self._lone_path_applies():
+        if batch == 1 and n_tokens == 1 and self.lone_path_applies():
             position = int(positions[0, 0])
             slots = getattr(cache, "lone_slots", lambda _: None)(position)
             if slots is not None:
@@ -232,7 +232,7 @@ class Qwen3MoeModel:
             x = x + self.mlp(h.reshape(batch * n_tokens, -1), layer).reshape(batch, n_tokens, -1)
         if last_only:
             x = x[:, -1:]
-            if batch == 1 and self._lone_path_applies():
+            if batch == 1 and self.lone_path_applies():
                 # The lean path's lm_head: its layout (or int8) reads the 20 MB of a small
                 # model's head ~4x faster than F.linear's one-row case (3.5 vs 0.9 ms).
                 self.prepare_lone_decode()
@@ -240,11 +240,9 @@ class Qwen3MoeModel:
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
-    def lean_rows_apply(self) -> bool:
-        """Whether the lean CPU forwards of a few rows (`forward_tail`, `forward_beams`) can run."""
-        return self._lone_path_applies()
-
-    def _lone_path_applies(self) -> bool:
+    def lone_path_applies(self) -> bool:
+        """Whether the lean CPU path runs: one sequence's decode steps, and the forwards of a few
+        rows (`forward_tail`, `forward_beams`)."""
         cfg = self.config
         return (self.lone_decode and self.small_on_cpu and self.dtype == torch.float32 and self.moe_fn is None
                 and self.moe_path == "auto" and cfg.sliding_window is None)
@@ -252,7 +250,7 @@ class Qwen3MoeModel:
     def prepare_lone_decode(self) -> None:
         """Build the lone decode path's weight copies (in the form `lone_weights` names) now rather
         than in the first completion's first step; a no-op where the path does not apply."""
-        if self._lone_path_applies() and (self._lone is None or self._lone_form != self.lone_weights):
+        if self.lone_path_applies() and (self._lone is None or self._lone_form != self.lone_weights):
             self._lone = [_LoneLayer.of(layer, self.config, self.lone_weights) for layer in self.layers]
             self._lone_lm_head = lone_matrices.matrix(self.lone_weights, self.lm_head, self.final_norm)
             self._lone_form = self.lone_weights
@@ -319,7 +317,7 @@ class Qwen3MoeModel:
         (the end of its cache), by a lean CPU forward in the spirit of `_forward_lone`; None where
         that path does not apply (the caller then runs `forward`). Verifies a speculative draft:
         the weights are read once for all rows, so n rows cost far less than n decode steps."""
-        if len(tokens) > LONE_MAX_ROWS or not self._lone_path_applies():
+        if len(tokens) > LONE_MAX_ROWS or not self.lone_path_applies():
             return None
         rows = getattr(cache, "lone_rows", lambda *_: None)(position, len(tokens))
         if rows is None:
@@ -350,8 +348,8 @@ class Qwen3MoeModel:
         `_forward_rows`: each beam sees the cache's positions 0..position-1 (the prompt, which
         every beam shares and none writes) and then its own tokens, whose K/V `tails`
         (engine.beam_search.BeamTails) holds and gains here. None where the lean path does not
-        apply (the caller decodes greedily instead)."""
-        if len(tokens) > LONE_MAX_ROWS or not self._lone_path_applies():
+        apply: callers search only where `lone_path_applies()`, else they decode greedily."""
+        if len(tokens) > LONE_MAX_ROWS or not self.lone_path_applies():
             return None
         rows = getattr(cache, "lone_rows", lambda *_: None)(position - tails.length, 0)
         if rows is None:

@@ -109,7 +109,6 @@ class _Active:
 class _BeamState:
     search: BeamSearch
     tails: BeamTails
-    first_logits: torch.Tensor  # greedy starts from them where the lean path turns out not to apply
     feed: tuple[list[int], list[int]] | None = None  # (parents, tokens) of the next step
 
 
@@ -436,12 +435,12 @@ class Engine:
         apply: sampling, CUDA graphs, an fp8 KV pool, or a model off the lean CPU path."""
         req = a.request
         if (req.temperature >= GREEDY_BELOW or self.graphs is not None or self.pool.fp8
-                or not self.model.lean_rows_apply()):
+                or not self.model.lone_path_applies()):
             return False
         search = BeamSearch(self.tokenizer, min(req.beams, MAX_BEAMS), a.output.max_tokens, req.stop,
                             req.stop_at_eos, req.forced_text, self.vocab_limit)
         a.first_logits = logits.clone() if req.return_logits else None
-        a.beam = _BeamState(search, BeamTails(self.model.config.num_layers), logits)
+        a.beam = _BeamState(search, BeamTails(self.model.config.num_layers))
         a.beam.feed = search.step(logits[None])
         if a.beam.feed is None:
             self._end_beam_search(a)
@@ -453,10 +452,6 @@ class Engine:
         state.tails.select(parents)
         view = PagedBatch(self.pool, [a.table.blocks], self.model.device)
         logits = self.model.forward_beams(tokens, a.computed + state.tails.length, view, state.tails)
-        if logits is None:  # not on the lean path after all (e.g. an fp8 KV pool): greedy
-            a.beam = None
-            self._accept(a, state.first_logits, first=True)
-            return
         state.feed = state.search.step(logits)
         if state.feed is None:
             self._end_beam_search(a)

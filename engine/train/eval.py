@@ -4,9 +4,8 @@
 
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
 stop at end of middle), greedy (`--beams N`: single lines by beam search, as the server asks),
-in PSM and SPM order; exact match and edit similarity. Bits per
-byte: left-to-right loss over the first --bpb-tokens tokens of each file. Runs through the
-project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
+in PSM and SPM order; exact match and edit similarity. Bits per byte: left-to-right loss over
+the first --bpb-tokens tokens of each file. Runs through the project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
 `--backend transformers` runs the same tasks through Hugging Face instead (without healing).
 """
 from __future__ import annotations
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from engine.protocol import MAX_BEAMS
 
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
@@ -182,8 +183,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
-    if not 1 <= args.beams <= 8:
-        ap.error("--beams must be within 1..8")
+    if not 1 <= args.beams <= MAX_BEAMS:
+        ap.error(f"--beams must be within 1..{MAX_BEAMS}")
     details = open(args.details, "w") if args.details else None
     try:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training

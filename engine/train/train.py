@@ -4,8 +4,8 @@
         --out OUT_DIR --budget-s 450 [--resume PREV_OUT/ckpt]
 
 The learning rate warms up, stays flat and decays linearly (to --final-lr-frac of its peak, 10% by
-default) over the last --decay-frac of this run's wall-clock budget, so the run sizes itself to whatever throughput the machine gives. Progress
-(loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
+default) over the last --decay-frac of this run's wall-clock budget, so the run sizes itself to
+whatever throughput the machine gives. Progress (loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
 with the held-out loss and bits per byte; the checkpoint is rewritten every --save-every-s.
 """
 from __future__ import annotations

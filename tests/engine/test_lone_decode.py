@@ -115,7 +115,7 @@ def test_lone_path_is_skipped_where_it_does_not_apply():
     cache = model.new_cache(1)
     cache.used = 5
     assert cache.lone_slots(2) is None  # rewriting an earlier position: keys past it exist
-    assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16)._lone_path_applies()
+    assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16).lone_path_applies()
 
 
 def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
@@ -132,7 +132,7 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
 
     monkeypatch.setattr(model_module, "CPU_SMALL_MODEL_MAX_BYTES", 1000)
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=8)
-    assert not model.small_on_cpu and not model._lone_path_applies()
+    assert not model.small_on_cpu and not model.lone_path_applies()
     model.prepare_lone_decode()
     assert model._lone is None  # no second copy of a big model's weights
     threads_seen = []
@@ -145,12 +145,12 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
 
 def test_path_switches_turn_the_lone_path_off():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=9)
-    assert model._lone_path_applies()
+    assert model.lone_path_applies()
     model.moe_path = "expert_centric"
-    assert not model._lone_path_applies()
+    assert not model.lone_path_applies()
     model.moe_path = "auto"
     model.moe_fn = ref.moe_output_centric
-    assert not model._lone_path_applies()
+    assert not model.lone_path_applies()
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
