@@ -51,6 +51,12 @@ def uses_repo_context(model_dir: str | Path) -> bool:
     return tokenizer_json.is_file() and '"<|repo_name|>"' in tokenizer_json.read_text()
 
 
+def prompt_budget(context: int, max_tokens: int, max_prompt_tokens: int) -> int:
+    """Tokens a completion prompt may take: what the model's context (`max_position_embeddings`,
+    the longest row it was trained on) leaves after the reply, within the daemon's own cap."""
+    return min(max_prompt_tokens, context - max(max_tokens, 1) - 1)
+
+
 def build_completion_prompt(
     tokenizer,
     prefix: str,

@@ -21,7 +21,8 @@ from pathlib import Path
 from engine import protocol as P
 from engine.fim import healed_text
 from engine.token_healing import token_healer
-from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders, uses_repo_context
+from engine.prompt_layout import (ContextChunk, build_completion_prompt, prompt_budget, supported_fim_orders,
+                                  uses_repo_context)
 from engine.scheduler import Engine, Request
 
 log = logging.getLogger("wd_engine")
@@ -258,8 +259,8 @@ class EngineServer:
         if p.prompt is not None:
             return tokenizer.encode_prompt(p.prompt), ""
         order = p.fim_order if p.fim_order != "auto" else ("spm" if "spm" in self.fim_orders else "psm")
-        context = self.engine.model.config.max_position_embeddings
-        budget = min(self.options.max_prompt_tokens, context - max(p.max_tokens, 1) - 1)
+        budget = prompt_budget(self.engine.model.config.max_position_embeddings, p.max_tokens,
+                               self.options.max_prompt_tokens)
         chunks = [ContextChunk(c["path"], c["text"]) for c in p.chunks]
         ids = build_completion_prompt(tokenizer, p.prefix, p.suffix, chunks, p.path, order, max_prompt_tokens=budget,
                                       repo_context=self.repo_context, heal=True)

@@ -152,6 +152,19 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
 
 
 @needs_engine
+def test_eval_with_the_servers_prompt_layout_fits_the_models_context(tmp_path):
+    from engine.train import eval as evaluation
+
+    out = tmp_path / "eval.json"
+    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
+                     "--bpb-tokens", "0", "--allow-changed", "--prefix-chars", "20000", "--suffix-chars", "8000",
+                     "--layout", "server", "--json", str(out)])
+    result = json.loads(out.read_text())  # prompts past the context would have been refused
+    assert result["layout"] == "server" and result["context_chars"] == [20000, 8000]
+    assert result["single_spm"]["tasks"] == 2
+
+
+@needs_engine
 def test_eval_by_beam_search_answers_every_single_line(tmp_path):
     from engine.train import eval as evaluation
 
@@ -163,3 +176,40 @@ def test_eval_by_beam_search_answers_every_single_line(tmp_path):
     assert result["single_line_beams"] == 4 and result["single_spm"]["tasks"] == 6
     preds = [json.loads(line)["pred"] for line in details.read_text().splitlines()]
     assert len(preds) == 6 and all(p.strip() and "\n" not in p for p in preds)  # never a blank line
+
+
+def test_config_declares_the_context_the_model_was_trained_on():
+    """Positions past the longest training row were never seen (run 7 lost half its exact matches
+    when prompted past 1,024 tokens), so the engine must not prompt past it."""
+    from engine.train.export import trained_context
+
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    state = json.loads((MODEL_DIR / "training_state.json").read_text())
+    assert config["max_position_embeddings"] == trained_context(state)
+
+
+@needs_engine
+def test_the_language_servers_fitted_context_fits_the_engines_prompt_uncut():
+    """The server's context, fitted to the model, reaches the daemon's prompt whole: the engine
+    never has to cut the prefix's start itself (it would move with every keystroke)."""
+    import argparse as some_module
+
+    from engine.prompt_layout import build_completion_prompt, prompt_budget
+    from engine.token_healing import token_healer
+    from engine.tokenizer import Tokenizer
+    from wd_lsp.context import Budget, build_context
+    from wd_lsp.document import Document
+
+    tok = Tokenizer.from_dir(MODEL_DIR)
+    context = json.loads((MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    text = Path(some_module.__file__).read_text()
+    doc = Document("file:///argparse.py", text, "python")
+    budget = Budget().fitted(context, 64)
+    for offset in (len(text) // 3, len(text) // 2, 2 * len(text) // 3):
+        ctx = build_context(doc, doc.position_at(offset), budget=budget)
+        assert ctx.prefix_truncated and ctx.suffix_truncated
+        ids = build_completion_prompt(tok, ctx.prefix, ctx.suffix, order="spm", repo_context=False, heal=True,
+                                      max_prompt_tokens=prompt_budget(context, 64, 4096))
+        healed_prefix = token_healer(tok).split(ctx.prefix)[0]
+        assert ids[-len(healed_prefix) - 2:-1] == [tok.token_id("<|fim_prefix|>"), *healed_prefix]
+        assert len(ids) <= context - 65

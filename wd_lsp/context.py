@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from . import symbols
@@ -33,6 +33,10 @@ MAX_DEFINITIONS_PER_NAME = 2
 # The indentation style is read from this much of the text: enough to see it, cheap per call.
 INDENT_SAMPLE_CHARS = 16_384
 CHUNK_KINDS = ("import", "definition", "recent_edit")  # stable first
+# Fitting a budget to a model's context: the FIM markers' tokens, and the share of the room the
+# estimated count may fill (code runs as dense as ~3 characters a token, against the 3.5 assumed).
+PROMPT_MARKER_TOKENS = 8
+ESTIMATE_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,20 @@ class Budget:
     recent_edit_radius: int = 3  # lines kept either side of a recent edit
     names_lines_before: int = 30  # where to look for names used near the cursor
     names_lines_after: int = 5
+
+    def fitted(self, max_context: int | None, max_tokens: int) -> Budget:
+        """This budget shrunk to a model whose context (the longest row it was trained on) is
+        `max_context` tokens, leaving room for the reply. Tokens are estimated from characters,
+        so the prompt keeps a margin under the engine's own limit: were the engine to cut the
+        prefix's start itself, that start would move with every keystroke and its prefix cache
+        would miss."""
+        if not max_context:
+            return self
+        room = max(0, max_context - max(max_tokens, 1) - PROMPT_MARKER_TOKENS)
+        suffix = min(self.suffix_tokens, room // 4)
+        prefix = min(self.prefix_tokens, int((room - suffix) * ESTIMATE_MARGIN))
+        extra = min(self.extra_tokens, max(0, int((room - suffix) * ESTIMATE_MARGIN) - prefix))
+        return replace(self, prefix_tokens=prefix, suffix_tokens=suffix, extra_tokens=extra)
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,13 @@ class WdLanguageServer(LanguageServer):
             await asyncio.sleep(s.debounce_ms / 1000)
         if doc.generation != generation:
             return None  # typed over during the debounce: a newer request is on its way
+        try:
+            await self.engine.ensure_connected()  # the budget fits the model the engine says it serves
+        except EngineUnavailable:
+            self.counters["errors"] += 1
+            return None
         ctx = build_context(doc, doc.position_at(offset), open_documents=self.docs.documents(),
-                            recent_edits=self.docs.recent_edits(), budget=Budget(), root=self.docs.root)
+                            recent_edits=self.docs.recent_edits(), budget=self._budget(), root=self.docs.root)
         rules = decide_shape(ctx, s.multiline, s.max_lines)
         self.counters["engine_calls"] += 1
         engine_started = time.monotonic()
@@ -185,6 +190,12 @@ class WdLanguageServer(LanguageServer):
         self._record_latency(started)
         self.overheads_ms.append(self.latencies_ms[-1] - 1000 * engine_s - s.debounce_ms)
         return text
+
+    def _budget(self) -> Budget:
+        """The context budget, fitted to the engine's model once it has said what its context is."""
+        info = self.engine.model_info or {}
+        context = info.get("max_context")
+        return Budget().fitted(context if isinstance(context, int) else None, self.settings.max_tokens)
 
     def _record_latency(self, started: float) -> None:
         self.latencies_ms.append(1000 * (time.monotonic() - started))
@@ -211,9 +222,10 @@ class WdLanguageServer(LanguageServer):
         if self.inflight.get(doc.uri) is not None:
             return  # a completion is on its way: it computes the same prompt
         try:
+            await self.engine.ensure_connected()
             ctx = build_context(doc, doc.position_at(min(offset, len(doc.text))),
                                 open_documents=self.docs.documents(), recent_edits=self.docs.recent_edits(),
-                                budget=Budget(), root=self.docs.root)
+                                budget=self._budget(), root=self.docs.root)
             self.counters["warms"] += 1
             await self.engine.warm(ctx, key=f"{self.instance}:{doc.uri}")
         except (EngineUnavailable, EngineError):

@@ -27,7 +27,7 @@ CONFIG = {
     "rms_norm_eps": 1e-06,
     "rope_theta": 10000.0,
     "rope_scaling": None,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 1024,  # the training rows' length: export writes what a model trained on
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 256,

@@ -24,7 +24,7 @@ from engine.protocol import MAX_BEAMS
 
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
-from .fim_tasks import make_tasks
+from .fim_tasks import PREFIX_CHARS, SUFFIX_CHARS, make_tasks
 from .metrics import clustered_interval, edit_similarity, exact_match, wilson_interval
 
 MAX_NEW = {"single": 24, "multi": 96}
@@ -32,7 +32,7 @@ STOPS = {"single": ["\n"], "multi": []}
 
 
 class EngineBackend:
-    def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1):
+    def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1, layout: str = "eval"):
         from engine.fim import build_fim_prompt, healed_text
         from engine.generate import complete
         from engine.loader import load_model
@@ -43,12 +43,28 @@ class EngineBackend:
         self._complete, self._prompt, self._healed = complete, build_fim_prompt, healed_text
         self.heal = heal
         self.beams = beams  # single-line tasks only: what the language server asks for
+        self.layout = layout
+
+    def _server_prompt(self, prefix: str, suffix: str, order: str) -> list[int]:
+        """The prompt the engine daemon builds for the language server's request: the suffix cut
+        to its token cap, then the prefix's end, within what the model's context leaves."""
+        from engine.prompt_layout import build_completion_prompt, prompt_budget
+        from engine.server import ServeOptions
+        from wd_lsp.config import Settings
+
+        budget = prompt_budget(self.model.config.max_position_embeddings, Settings().max_tokens,
+                               ServeOptions.max_prompt_tokens)
+        return build_completion_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=budget,
+                                       repo_context=False, heal=self.heal)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
-        ids = self._prompt(self.tok, prefix, suffix, order, heal=self.heal)
+        if self.layout == "server":
+            ids = self._server_prompt(prefix, suffix, order)
+        else:
+            ids = self._prompt(self.tok, prefix, suffix, order, heal=self.heal)
         forced = self._healed(self.tok, prefix) if self.heal else ""
         text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
                                  stop=STOPS[kind], forced_text=forced, beams=self.beams if kind == "single" else 1)
@@ -120,19 +136,23 @@ def interval(hits: int, n: int, by_file: dict[str, list[int]]) -> tuple[float, f
 
 def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
         allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
-        heal: bool = True, tasks_per_file: int = 1, details=None, beams: int = 1) -> dict:
+        heal: bool = True, tasks_per_file: int = 1, details=None, beams: int = 1,
+        prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS, layout: str = "eval") -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
     t0 = time.time()
     if beams > 1 and backend_name != "engine":
         raise SystemExit("--beams runs through the engine only")
-    backend = EngineBackend(model_dir, heal, beams) if backend_name == "engine" else TransformersBackend(model_dir)
+    if layout == "server" and backend_name != "engine":
+        raise SystemExit("--layout server runs through the engine only")
+    backend = EngineBackend(model_dir, heal, beams, layout) if backend_name == "engine" else TransformersBackend(model_dir)
     result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
               "tasks_per_file": tasks_per_file, "single_line_beams": beams,
+              "context_chars": [prefix_chars, suffix_chars], "layout": layout,
               "token_healing": heal and backend_name == "engine", "load_s": round(time.time() - t0, 3)}
     for kind in kinds:
-        tasks = make_tasks(docs, kind, seed, tasks_per_file)
+        tasks = make_tasks(docs, kind, seed, tasks_per_file, prefix_chars, suffix_chars)
         for order in orders:
             t1 = time.time()
             em, es = 0, 0.0
@@ -179,6 +199,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
     ap.add_argument("--beams", type=int, default=1,
                     help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)")
+    ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS,
+                    help="prefix kept before the cursor, cut at a line start (the language server sends up to "
+                         "1,536 tokens, about 5,400 characters)")
+    ap.add_argument("--suffix-chars", type=int, default=SUFFIX_CHARS, help="suffix kept after the cursor, cut at a line end")
+    ap.add_argument("--layout", choices=["eval", "server"], default="eval",
+                    help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "
+                         "cut to the model's context and the suffix's token cap")
     ap.add_argument("--details", type=Path, help="write every task's completion and exact match here (JSON lines)")
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
@@ -190,7 +217,8 @@ def main(argv=None) -> None:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training
             result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
                          args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
-                         tasks_per_file=args.tasks_per_file, details=details, beams=args.beams)
+                         tasks_per_file=args.tasks_per_file, details=details, beams=args.beams,
+                         prefix_chars=args.prefix_chars, suffix_chars=args.suffix_chars, layout=args.layout)
     finally:
         if details:
             details.close()

@@ -42,10 +42,17 @@ def fp8_quantization_config(config: dict, block: int) -> dict:
             "modules_to_not_convert": keep}
 
 
+def trained_context(state: dict) -> int:
+    """The longest row any run of this model trained on: positions beyond it were never seen, so
+    the engine must not prompt past it (runs that predate `seq_len` in their record used 1,024)."""
+    return max((run.get("seq_len", 1024) for run in state.get("runs", [])), default=CONFIG["max_position_embeddings"])
+
+
 def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
     # Grown runs differ from CONFIG.
-    config = {**CONFIG, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights)}
+    config = {**CONFIG, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights),
+              "max_position_embeddings": trained_context(checkpoint.load_state(ckpt))}
     if fp8_block:
         weights = fp8_weights(weights, fp8_block)
         config["quantization_config"] = fp8_quantization_config(config, fp8_block)

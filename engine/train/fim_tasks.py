@@ -3,8 +3,9 @@
 single-line: one random non-empty line; its indentation stays in the prefix (the editor has
              already indented), the middle is the rest of the line, the suffix starts at its newline.
 multi-line:  2-5 consecutive lines starting at a random non-empty line, cut the same way.
-Prefix and suffix are trimmed at line boundaries to a character budget, so prompts stay inside
-the 1024-token training context.
+Prefix and suffix are trimmed at line boundaries to a character budget: by default 2,000 and
+1,000, which keeps prompts inside a 1024-token context (the eval's numbers since the first model);
+`eval --prefix-chars/--suffix-chars` give as much as the language server sends.
 """
 from __future__ import annotations
 
@@ -24,18 +25,19 @@ class FimTask:
     file: str = ""  # the file it was cut from (doc_id names the task), for intervals over files
 
 
-def _trim(prefix: str, suffix: str) -> tuple[str, str]:
-    if len(prefix) > PREFIX_CHARS:
-        cut = prefix.find("\n", len(prefix) - PREFIX_CHARS)
-        prefix = prefix[cut + 1:] if cut != -1 else prefix[-PREFIX_CHARS:]
-    if len(suffix) > SUFFIX_CHARS:
-        cut = suffix.rfind("\n", 0, SUFFIX_CHARS)
-        suffix = suffix[:cut + 1] if cut > 0 else suffix[:SUFFIX_CHARS]
+def _trim(prefix: str, suffix: str, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
+    if len(prefix) > prefix_chars:
+        cut = prefix.find("\n", len(prefix) - prefix_chars)
+        prefix = prefix[cut + 1:] if cut != -1 else prefix[-prefix_chars:]
+    if len(suffix) > suffix_chars:
+        cut = suffix.rfind("\n", 0, suffix_chars)
+        suffix = suffix[:cut + 1] if cut > 0 else suffix[:suffix_chars]
     return prefix, suffix
 
 
 def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
-              taken: set[int] | None = None, file: str | None = None) -> FimTask | None:
+              taken: set[int] | None = None, file: str | None = None,
+              prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS) -> FimTask | None:
     """One task from a random non-empty line of `text`; `taken`: lines already used as a first
     line (skipped, and the chosen one added); `file`: where it comes from (default doc_id)."""
     lines = text.split("\n")
@@ -54,11 +56,12 @@ def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
     start = sum(len(l) + 1 for l in lines[:first])
     start += len(lines[first]) - len(lines[first].lstrip(" \t"))
     end = sum(len(l) + 1 for l in lines[:last + 1]) - 1
-    prefix, suffix = _trim(text[:start], text[end:])
+    prefix, suffix = _trim(text[:start], text[end:], prefix_chars, suffix_chars)
     return FimTask(doc_id, kind, prefix, text[start:end], suffix, file or doc_id)
 
 
-def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1) -> list[FimTask]:
+def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1,
+               prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS) -> list[FimTask]:
     """Up to `per_file` tasks from each file, at distinct first lines. The first task of a file is
     the same whatever `per_file` is, so results with 1 stay comparable with earlier ones."""
     tasks = []
@@ -66,7 +69,8 @@ def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: 
         rng = random.Random(f"{seed}:{kind}:{doc_id}")  # per file, so subsets give the same tasks
         taken: set[int] = set()
         for k in range(per_file):
-            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken, file=doc_id)
+            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken, file=doc_id,
+                             prefix_chars=prefix_chars, suffix_chars=suffix_chars)
             if task is None:
                 break
             tasks.append(task)

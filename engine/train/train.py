@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .config import load_config
-from .data import PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
+from .data import CHUNK_CHARS, PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
 from .model import Qwen3MoeLM
 from .grow import add_experts, copy_sources, expert_count, expert_width, router_loads, widen_experts
 
@@ -41,7 +41,11 @@ def parse_args(argv=None):
                     "size, as `export --fp8-block` will ship them (quantization-aware training)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
     ap.add_argument("--max-steps", type=int, default=10**9)
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=1024,
+                    help="row length in tokens; the export declares the longest a model trained on as its context")
+    ap.add_argument("--chunk-chars", type=int, default=CHUNK_CHARS,
+                    help="documents are cut into pieces of about this many characters, one example each: "
+                         "a FIM example's prefix and suffix together stay within it (keep it under ~3.4 x --seq-len)")
     ap.add_argument("--batch-rows", type=int, default=256)
     ap.add_argument("--micro-rows", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -196,7 +200,7 @@ def main(argv=None) -> None:
 
     t_load = time.time()
     files = train_files(args.corpus)
-    chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d)]
+    chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d, args.chunk_chars)]
     # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
     fim_sets = {name: heldout_fim_rows(held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed)
                 for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))}
@@ -213,7 +217,7 @@ def main(argv=None) -> None:
     accum = args.batch_rows // args.micro_rows
     log_f = open(args.out / "log.jsonl", "a")
     run = {**run, "start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len,
-           "train_files": [f.name for f in files], "peak_lr": args.lr}
+           "seq_len": args.seq_len, "chunk_chars": args.chunk_chars, "train_files": [f.name for f in files], "peak_lr": args.lr}
 
     def log(record: dict) -> None:
         log_f.write(json.dumps(record) + "\n")

@@ -181,3 +181,17 @@ def test_region_cached_definitions_follow_edits():
 
         assert definitions_outside(doc, lo, hi) == full
         assert imports_around(doc, lo, hi) == imports(doc)
+
+
+def test_a_budget_fitted_to_a_short_context_leaves_room_for_the_reply():
+    base = Budget()
+    assert base.fitted(None, 64) == base
+    assert base.fitted(1 << 20, 64) == base  # a long context keeps the defaults
+    small = base.fitted(1024, 64)
+    room = 1024 - 64 - 8
+    assert small.suffix_tokens == room // 4
+    assert 0 < small.prefix_tokens < base.prefix_tokens
+    assert small.prefix_tokens + small.suffix_tokens + small.extra_tokens <= room
+    assert base.fitted(2048, 64).prefix_tokens > small.prefix_tokens
+    none = base.fitted(32, 64)  # no room at all: an empty context, not a negative budget
+    assert none.prefix_tokens == none.suffix_tokens == none.extra_tokens == 0

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from engine.client import EngineError
 from engine.protocol import CompletionParams
 from wd_lsp.config import Settings, merge_settings
-from wd_lsp.engine_link import EngineLink
+from wd_lsp.engine_link import EngineAnswer, EngineLink
 from wd_lsp.shape import StopRules
 
 
@@ -89,3 +89,40 @@ def test_an_engine_that_predates_beams_gets_greedy_requests():
         assert asyncio.run(link.complete(ctx, single, "doc")).text == "x = 1"
     # Refused once, then asked again without it; the next request does not ask at all.
     assert ["beams" in p for p in engine.params] == [True, False, False]
+
+
+class SmallContextEngine:
+    """Says on connecting that its model's context is 1,024 tokens; records what it is sent."""
+
+    state = "ready"
+
+    def __init__(self):
+        self.model_info, self.contexts = None, []
+
+    async def ensure_connected(self):
+        self.model_info = {"name": "small", "max_context": 1024}
+
+    async def complete(self, ctx, rules, key):
+        self.contexts.append(ctx)
+        return EngineAnswer("x = 1", False, None, None)
+
+
+def test_the_first_request_already_fits_the_models_context():
+    """The server connects before it cuts the context, so even its first request fits the model
+    the engine serves, and the engine never cuts the prefix's start itself."""
+    from wd_lsp.context import Budget
+    from wd_lsp.server import WdLanguageServer
+    from wd_lsp.workspace import Workspace
+
+    server = WdLanguageServer()
+    server.settings = merge_settings(Settings(), {"debounceMs": 0})
+    server.engine = engine = SmallContextEngine()
+    text = "".join(f"value_{i} = compute({i}, 'a fairly long argument')\n" for i in range(2000))
+    server.docs = Workspace()
+    doc = server.docs.open("file:///big.py", text, "python")
+    asyncio.run(server._complete_at(doc, len(text) // 2, 0.0, doc.generation))
+    fitted = Budget().fitted(1024, server.settings.max_tokens)
+    (ctx,) = engine.contexts
+    assert ctx.prefix_truncated and ctx.suffix_truncated
+    assert ctx.prefix_tokens <= fitted.prefix_tokens < Budget().prefix_tokens
+    assert len(ctx.prefix) <= fitted.prefix_tokens * fitted.chars_per_token

@@ -29,6 +29,19 @@ def test_more_tasks_per_file_keep_the_first_and_take_distinct_lines(kind):
             assert t.prefix + t.middle + t.suffix == text and t.middle.strip()
 
 
+def test_context_budgets_trim_at_line_boundaries_and_keep_the_tasks():
+    long_docs = [(doc_id, text * 40) for doc_id, text in DOCS]
+    short = make_tasks(long_docs, "single", seed=3, per_file=3, prefix_chars=300, suffix_chars=200)
+    wide = make_tasks(long_docs, "single", seed=3, per_file=3, prefix_chars=5000, suffix_chars=3000)
+    assert [(t.doc_id, t.middle) for t in short] == [(t.doc_id, t.middle) for t in wide]  # same lines
+    for s, w in zip(short, wide):
+        assert len(s.prefix) <= 300 and len(s.suffix) <= 200
+        assert w.prefix.endswith(s.prefix) and w.suffix.startswith(s.suffix)
+        assert s.prefix == "" or w.prefix[len(w.prefix) - len(s.prefix) - 1] == "\n"  # cut at a line start
+        assert s.suffix == w.suffix or s.suffix.endswith("\n")  # cut after a line's end
+    assert sum(len(w.prefix) > 300 for w in wide) > len(wide) // 2
+
+
 def test_a_file_gives_at_most_its_non_empty_lines():
     tasks = make_tasks([("tiny", "a = 1\n\nb = 2\n")], "single", per_file=5)
     assert sorted(t.middle for t in tasks) == ["a = 1", "b = 2"]
