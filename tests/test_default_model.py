@@ -162,6 +162,11 @@ def test_eval_with_the_servers_prompt_layout_fits_the_models_context(tmp_path):
     result = json.loads(out.read_text())  # prompts past the context would have been refused
     assert result["layout"] == "server" and result["context_chars"] == [20000, 8000]
     assert result["single_spm"]["tasks"] == 2
+    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
+                     "--bpb-tokens", "0", "--allow-changed", "--editor-context", "--json", str(out)])
+    result = json.loads(out.read_text())
+    prefix_chars, suffix_chars = result["context_chars"]
+    assert result["layout"] == "server" and 0 < suffix_chars < prefix_chars < 3.5 * 1024
 
 
 @needs_engine

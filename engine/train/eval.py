@@ -7,6 +7,9 @@ stop at end of middle), greedy (`--beams N`: single lines by beam search, as the
 in PSM and SPM order; exact match and edit similarity. Bits per byte: left-to-right loss over
 the first --bpb-tokens tokens of each file. Runs through the project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
 `--backend transformers` runs the same tasks through Hugging Face instead (without healing).
+Tasks keep 2,000 characters of prefix and 1,000 of suffix (the eval's numbers since the first
+model); `--editor-context` measures what the language server sends the model instead: its context
+budget fitted to the model's context, in the prompt layout of the engine daemon.
 """
 from __future__ import annotations
 
@@ -183,6 +186,18 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
     return result
 
 
+def editor_context_chars(model_dir: Path) -> tuple[int, int]:
+    """The prefix and suffix the language server sends a model, in characters: its budget fitted to
+    the model's context, at its estimate of characters per token (it cuts at line and syntax
+    boundaries within that, so this is the upper end of what it sends)."""
+    from wd_lsp.config import Settings
+    from wd_lsp.context import Budget
+
+    context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    budget = Budget().fitted(context, Settings().max_tokens)
+    return int(budget.prefix_tokens * budget.chars_per_token), int(budget.suffix_tokens * budget.chars_per_token)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True)
@@ -206,12 +221,18 @@ def main(argv=None) -> None:
     ap.add_argument("--layout", choices=["eval", "server"], default="eval",
                     help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "
                          "cut to the model's context and the suffix's token cap")
+    ap.add_argument("--editor-context", action="store_true",
+                    help="what the language server sends this model: --layout server, with the character budgets "
+                         "of its context budget fitted to the model's context (overrides --prefix-chars/--suffix-chars)")
     ap.add_argument("--details", type=Path, help="write every task's completion and exact match here (JSON lines)")
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
     if not 1 <= args.beams <= MAX_BEAMS:
         ap.error(f"--beams must be within 1..{MAX_BEAMS}")
+    if args.editor_context:
+        args.prefix_chars, args.suffix_chars = editor_context_chars(args.model)
+        args.layout = "server"
     details = open(args.details, "w") if args.details else None
     try:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training
