@@ -152,16 +152,24 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
 
 
 @needs_engine
-def test_eval_with_the_servers_prompt_layout_fits_the_models_context(tmp_path):
+@pytest.mark.parametrize("layout", ["eval", "server"])
+def test_eval_prompts_fit_the_models_context(tmp_path, layout):
     from engine.train import eval as evaluation
 
     out = tmp_path / "eval.json"
     evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
-                     "--bpb-tokens", "0", "--allow-changed", "--prefix-chars", "20000", "--suffix-chars", "8000",
-                     "--layout", "server", "--json", str(out)])
+                     "--bpb-tokens", "0", "--allow-changed", "--prefix-chars", "20000", "--suffix-chars", "3000",
+                     "--layout", layout, "--json", str(out)])
     result = json.loads(out.read_text())  # prompts past the context would have been refused
-    assert result["layout"] == "server" and result["context_chars"] == [20000, 8000]
+    assert result["layout"] == layout and result["context_chars"] == [20000, 3000]
     assert result["single_spm"]["tasks"] == 2
+
+
+@needs_engine
+def test_eval_editor_context_is_the_servers_fitted_budget(tmp_path):
+    from engine.train import eval as evaluation
+
+    out = tmp_path / "eval.json"
     evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
                      "--bpb-tokens", "0", "--allow-changed", "--editor-context", "--json", str(out)])
     result = json.loads(out.read_text())

@@ -36,38 +36,41 @@ STOPS = {"single": ["\n"], "multi": []}
 
 class EngineBackend:
     def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1, layout: str = "eval"):
-        from engine.fim import build_fim_prompt, healed_text
+        from engine.fim import healed_text
         from engine.generate import complete
         from engine.loader import load_model
         from engine.tokenizer import Tokenizer
 
         self.model = load_model(model_dir)
         self.tok = Tokenizer.from_dir(model_dir)
-        self._complete, self._prompt, self._healed = complete, build_fim_prompt, healed_text
+        self._complete, self._healed = complete, healed_text
         self.heal = heal
         self.beams = beams  # single-line tasks only: what the language server asks for
         self.layout = layout
 
-    def _server_prompt(self, prefix: str, suffix: str, order: str) -> list[int]:
-        """The prompt the engine daemon builds for the language server's request: the suffix cut
-        to its token cap, then the prefix's end, within what the model's context leaves."""
+    def _prompt_ids(self, prefix: str, suffix: str, order: str, kind: str) -> list[int]:
+        """server: the prompt the engine daemon builds for the language server's request (the
+        suffix cut to its token cap, then the prefix's end, within what the model's context leaves
+        after the server's max_tokens). eval: the whole suffix and as much of the prefix's end as
+        the context leaves after this task's new tokens (all of it for most tasks)."""
         from engine.prompt_layout import build_completion_prompt, prompt_budget
         from engine.server import ServeOptions
         from wd_lsp.config import Settings
 
-        budget = prompt_budget(self.model.config.max_position_embeddings, Settings().max_tokens,
-                               ServeOptions.max_prompt_tokens)
-        return build_completion_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=budget,
-                                       repo_context=False, heal=self.heal)
+        context = self.model.config.max_position_embeddings
+        if self.layout == "server":
+            budget = prompt_budget(context, Settings().max_tokens, ServeOptions.max_prompt_tokens)
+            return build_completion_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=budget,
+                                           repo_context=False, heal=self.heal)
+        return build_completion_prompt(self.tok, prefix, suffix, order=order, repo_context=False, heal=self.heal,
+                                       max_prompt_tokens=prompt_budget(context, MAX_NEW[kind], context),
+                                       max_suffix_tokens=context)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
-        if self.layout == "server":
-            ids = self._server_prompt(prefix, suffix, order)
-        else:
-            ids = self._prompt(self.tok, prefix, suffix, order, heal=self.heal)
+        ids = self._prompt_ids(prefix, suffix, order, kind)
         forced = self._healed(self.tok, prefix) if self.heal else ""
         text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
                                  stop=STOPS[kind], forced_text=forced, beams=self.beams if kind == "single" else 1)
