@@ -71,6 +71,9 @@ def prompt_pair(tokenizer, text: str, n_tokens: int) -> tuple[list[int], list[in
     return before, after
 
 
+DEFAULT_CONTEXTS = (1024, 4096, 8192)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the embedded model)")
@@ -79,7 +82,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=("qwen3-30b-a3b",),
                     help="random weights of a named real shape (the default model's tokenizer feeds it)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="also time this many decode steps (warm)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--contexts", type=int, nargs="+",
+                    help=f"prompt lengths (default: those of {DEFAULT_CONTEXTS} within the model's context, "
+                         "else the longest prompt it takes with room for the decode steps)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
@@ -99,21 +104,23 @@ def main(argv=None) -> int:
         from engine.random_model import random_model
 
         cfg = json.loads((model_dir / "config.json").read_text())
-        cfg["max_position_embeddings"] = max(16384, max(args.contexts) + 64)
+        cfg["max_position_embeddings"] = max(16384, max(args.contexts or DEFAULT_CONTEXTS) + 64)
         dtype = torch.float32 if args.dtype == "auto" and args.device == "cpu" else torch.bfloat16
         model = random_model(cfg, dtype=dtype, device=args.device)
     else:
         model = load_model(model_dir, dtype=args.dtype, device=args.device)
-    text = source_text(max(args.contexts) * 8)
+    limit = model.config.max_position_embeddings
+    contexts = args.contexts or [n for n in DEFAULT_CONTEXTS if n + 8 < limit] or [limit - 64]
+    text = source_text(max(contexts) * 8)
     name = args.shape or model_dir.name
     print(f"model: {name}{' (random weights)' if args.random else ''}, device {args.device}, "
           f"{torch.get_num_threads()} threads, block {args.block_size}")
     print(f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8} {'decode tok/s':>13}")
     results = []
     first_token_ms(Engine(model, tokenizer, num_blocks=64, block_size=args.block_size), tokenizer.encode(text[:2000]))
-    for n in args.contexts:
-        if n + 8 >= model.config.max_position_embeddings:
-            print(f"{n:>8}  skipped: the model's context is {model.config.max_position_embeddings}")
+    for n in contexts:
+        if n + 8 >= limit:
+            print(f"{n:>8}  skipped: the model's context is {limit}")
             continue
         before, after = prompt_pair(tokenizer, text, n)
         blocks = 2 * (len(after) // args.block_size + 4)
