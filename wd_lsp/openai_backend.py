@@ -79,7 +79,8 @@ class OpenAIBackend:
         try:
             response = await http.get("/models")
             _raise_for_status(response)
-            listed = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+            cards = [m for m in response.json().get("data", []) if isinstance(m, dict)]
+            listed = [m.get("id") for m in cards]
         except (httpx.HTTPError, ValueError, AttributeError, EngineUnavailable) as exc:
             self._report_failure(http, exc)
             raise EngineUnavailable(_describe(exc)) from exc
@@ -92,6 +93,10 @@ class OpenAIBackend:
         if s.model and listed and s.model not in listed:
             log.warning("%s lists %s, not %r; trying it anyway", s.base_url, ", ".join(map(str, listed)), s.model)
         self.model_info = {"name": self.model}
+        # vLLM and the engine's own listener say the model's context: the context budget fits it.
+        length = next((m.get("max_model_len") for m in cards if m.get("id") == self.model), None)
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            self.model_info["max_context"] = length
         self._error_logged = False
         self._set_state("ready", f"ready: {self.model} at {s.base_url}")
         return self.http

@@ -230,3 +230,22 @@ async def test_a_server_that_writes_fim_markers_as_text_is_cut_there(marker):
     assert answer.text == "self.y = y" and answer.stopped_early
     assert bodies[0]["prompt"].endswith("<|fim_middle|>") and len(bodies[0]["stop"]) == 4
     await backend.http.aclose()
+
+
+@pytest.mark.parametrize("card, context", [({"id": "remote-coder", "max_model_len": 2048}, 2048),
+                                           ({"id": "remote-coder"}, None),
+                                           ({"id": "remote-coder", "max_model_len": "big"}, None)])
+async def test_the_models_context_comes_from_the_servers_model_list(card, context):
+    """vLLM and the engine's listener give `max_model_len`: the language server fits its context
+    budget to it; a server that does not say leaves the default budget."""
+
+    def server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": [{"id": "other", "max_model_len": 99}, card]})
+
+    backend = OpenAIBackend(States(), lambda m: None)
+    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
+        "baseUrl": "http://remote.invalid/v1", "model": "remote-coder"}}, warn=pytest.fail))
+    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    await backend.ensure_connected()
+    assert backend.model_info.get("max_context") == context
+    await backend.http.aclose()
