@@ -81,7 +81,8 @@ async def test_template_and_suffix_fim_agree_with_the_endpoint(http_engine):
         backend.configure(settings_for(http_engine, fim=fim))
         answer = await backend.complete(ctx, NO_STOPS, key="k")
         answers.append(answer.text)
-        assert backend.state == "ready" and backend.model_info == {"name": http_engine.model}
+        # the engine's listener lists its model's context (the test checkpoint's 512 tokens)
+        assert backend.state == "ready" and backend.model_info == {"name": http_engine.model, "max_context": 512}
         assert answer.usage["completion_tokens"] >= 1 and answer.first_token_ms is not None
         assert (await backend.stats())["requests"] == 1
         backend.disconnect()
