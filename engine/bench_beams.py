@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from engine.fim import build_fim_prompt, healed_text
+from engine.fim import healed_text
 from engine.loader import load_model
 from engine.models import default_model_dir
+from engine.prompt_layout import fim_prompt_within
 from engine.protocol import MAX_BEAMS
 from engine.scheduler import Engine, Request
 from engine.tokenizer import Tokenizer
@@ -52,7 +53,9 @@ def main(argv=None) -> None:
     times = {1: [], args.beams: []}
     hits = {1: 0, args.beams: 0}
     for i, task in enumerate(tasks):
-        prompt = build_fim_prompt(tok, task.prefix, task.suffix, "spm", heal=True)
+        # as the eval prompts: fitted to the model's context
+        prompt = fim_prompt_within(tok, task.prefix, task.suffix, "spm", model.config.max_position_embeddings, 24,
+                                   heal=True)
         forced = healed_text(tok, task.prefix)
         for beams in ((1, args.beams) if i % 2 == 0 else (args.beams, 1)):
             engine = Engine(model, tok)  # nothing cached

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from engine.fim import build_fim_prompt, healed_text
+from engine.fim import healed_text
 from engine.loader import load_model
 from engine.models import default_model_dir
+from engine.prompt_layout import fim_prompt_within
 from engine.scheduler import Engine, Request
 from engine.tokenizer import Tokenizer
 
@@ -52,15 +53,17 @@ def main(argv=None) -> None:
 
     torch.set_grad_enabled(False)
     model, tok = load_model(default_model_dir()), Tokenizer.from_dir(default_model_dir())
+    context = model.config.max_position_embeddings
     times: dict[bool, list[float]] = {False: [], True: []}
     for _, text in heldout.load("python", limit=args.files):
         prefix, suffix = cut_at_middle_line(text)
         for heal in (False, True):
             engine = Engine(model, tok)
-            warm = build_fim_prompt(tok, prefix[:-1], suffix, "spm", heal=heal)  # one keystroke earlier
+            # one keystroke earlier; prompts fit the model's context as the daemon's do
+            warm = fim_prompt_within(tok, prefix[:-1], suffix, "spm", context, 24, heal=heal)
             engine.submit(Request(warm, warm_only=True), lambda event: None)
             engine.run_until_idle()
-            ids = build_fim_prompt(tok, prefix, suffix, "spm", heal=heal)
+            ids = fim_prompt_within(tok, prefix, suffix, "spm", context, 24, heal=heal)
             times[heal].append(first_text_ms(engine, ids, healed_text(tok, prefix) if heal else ""))
     for heal in (False, True):
         print(f"{'healed' if heal else 'not healed':>10}: first text p50 {statistics.median(times[heal]):.1f} ms "

@@ -57,6 +57,16 @@ def prompt_budget(context: int, max_tokens: int, max_prompt_tokens: int) -> int:
     return min(max_prompt_tokens, context - max(max_tokens, 1) - 1)
 
 
+def fim_prompt_within(tokenizer, prefix: str, suffix: str, order: str, context: int, max_tokens: int,
+                      heal: bool = False) -> list[int]:
+    """The bare FIM prompt (the whole suffix, then the prefix) with its prefix's start cut where
+    needed so that it and `max_tokens` new tokens fit the model's `context`: the eval's and the
+    benchmarks' prompts, which must not run the model past what it was trained on."""
+    return build_completion_prompt(tokenizer, prefix, suffix, order=order, repo_context=False, heal=heal,
+                                   max_prompt_tokens=prompt_budget(context, max_tokens, context),
+                                   max_suffix_tokens=context)
+
+
 def build_completion_prompt(
     tokenizer,
     prefix: str,

@@ -205,7 +205,7 @@ def test_config_declares_the_context_the_model_was_trained_on():
 def test_the_language_servers_fitted_context_fits_the_engines_prompt_uncut():
     """The server's context, fitted to the model, reaches the daemon's prompt whole: the engine
     never has to cut the prefix's start itself (it would move with every keystroke)."""
-    import argparse as some_module
+    import argparse  # a long file of typical density (about 3.7 characters a token)
 
     from engine.prompt_layout import build_completion_prompt, prompt_budget
     from engine.token_healing import token_healer
@@ -215,7 +215,7 @@ def test_the_language_servers_fitted_context_fits_the_engines_prompt_uncut():
 
     tok = Tokenizer.from_dir(MODEL_DIR)
     context = json.loads((MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
-    text = Path(some_module.__file__).read_text()
+    text = Path(argparse.__file__).read_text()
     doc = Document("file:///argparse.py", text, "python")
     budget = Budget().fitted(context, 64)
     for offset in (len(text) // 3, len(text) // 2, 2 * len(text) // 3):

@@ -102,7 +102,24 @@ class OpenAIBackend:
         return self.http
 
     async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
-        """Stream a completion, closing the stream as soon as a stop rule fires."""
+        """Stream a completion, closing the stream as soon as a stop rule fires. A server that
+        refuses the prompt as longer than its model's context (the budget counts tokens by an
+        estimate, and dense code has more) gets it once more with half the prefix."""
+        try:
+            return await self._complete(ctx, rules)
+        except ContextTooLong as exc:
+            shorter = _half_prefix(ctx)
+            if shorter is None:
+                log.warning("%s", exc)
+                raise
+            log.info("the server refused the prompt as too long; asking again with half the prefix")
+        try:
+            return await self._complete(shorter, rules)
+        except ContextTooLong as exc:
+            log.warning("%s", exc)
+            raise
+
+    async def _complete(self, ctx: CompletionContext, rules: StopRules) -> EngineAnswer:
         s = self.settings
         http = await self.ensure_connected()
         self.counters["requests"] += 1
@@ -139,6 +156,9 @@ class OpenAIBackend:
                         text, stopped = apply_stop_rules(text + delta, _with_stops(rules, stops))
                     if stopped:
                         break
+        except ContextTooLong:
+            self.counters["errors"] += 1
+            raise
         except (httpx.HTTPError, ValueError, EngineUnavailable) as exc:
             self.counters["errors"] += 1
             self._report_failure(http, exc)
@@ -202,13 +222,28 @@ def _describe(exc: Exception) -> str:
     return str(exc) or type(exc).__name__  # some transport errors carry no message
 
 
+class ContextTooLong(EngineUnavailable):
+    """The server refused the prompt as longer than its model's context."""
+
+
 def _raise_for_status(response: httpx.Response) -> None:
     if response.status_code >= 400:
         try:
             detail = _error_text(response.json())
         except ValueError:
             detail = response.text[:200]
-        raise EngineUnavailable(f"HTTP {response.status_code} from {response.url}: {detail}")
+        # vLLM's and the engine's listener's wording: "This model's maximum context length is ..."
+        error = ContextTooLong if response.status_code == 400 and "maximum context length" in detail.lower() \
+            else EngineUnavailable
+        raise error(f"HTTP {response.status_code} from {response.url}: {detail}")
+
+
+def _half_prefix(ctx: CompletionContext) -> CompletionContext | None:
+    """The context with the last half of its prefix, from a line start (None: nothing to cut)."""
+    cut = ctx.prefix.find("\n", len(ctx.prefix) // 2)
+    if cut == -1 or cut + 1 >= len(ctx.prefix):
+        return None
+    return replace(ctx, prefix=ctx.prefix[cut + 1:], chunks=(), prefix_truncated=True)
 
 
 def _error_text(payload) -> str:

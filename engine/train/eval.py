@@ -53,7 +53,7 @@ class EngineBackend:
         suffix cut to its token cap, then the prefix's end, within what the model's context leaves
         after the server's max_tokens). eval: the whole suffix and as much of the prefix's end as
         the context leaves after this task's new tokens (all of it for most tasks)."""
-        from engine.prompt_layout import build_completion_prompt, prompt_budget
+        from engine.prompt_layout import build_completion_prompt, fim_prompt_within, prompt_budget
         from engine.server import ServeOptions
         from wd_lsp.config import Settings
 
@@ -62,9 +62,7 @@ class EngineBackend:
             budget = prompt_budget(context, Settings().max_tokens, ServeOptions.max_prompt_tokens)
             return build_completion_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=budget,
                                            repo_context=False, heal=self.heal)
-        return build_completion_prompt(self.tok, prefix, suffix, order=order, repo_context=False, heal=self.heal,
-                                       max_prompt_tokens=prompt_budget(context, MAX_NEW[kind], context),
-                                       max_suffix_tokens=context)
+        return fim_prompt_within(self.tok, prefix, suffix, order, context, MAX_NEW[kind], heal=self.heal)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -103,7 +101,13 @@ class TransformersBackend:
 
     @torch.no_grad()
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
+        prefix_ids = self.encode(prefix)
         ids = self._prompt(self.encode, self.tok.token_to_id, prefix, suffix, order)
+        excess = len(ids) - (self.model.config.max_position_embeddings - MAX_NEW[kind] - 1)
+        if excess > 0:  # the prefix's start goes, as in the engine backend's prompt (fim_prompt_within)
+            kept = prefix_ids[excess:]
+            ids = self._prompt(lambda text: kept if text == prefix else self.encode(text), self.tok.token_to_id,
+                               prefix, suffix, order)
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
                                   eos_token_id=self.ending, pad_token_id=self.eos,
                                   suppress_tokens=self.unsampled or None)[0, len(ids):].tolist()
@@ -151,7 +155,7 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
     if beams > 1 and backend_name != "engine":
         raise SystemExit("--beams runs through the engine only")
     if layout == "server" and backend_name != "engine":
-        raise SystemExit("--layout server runs through the engine only")
+        raise SystemExit("--layout server (and --editor-context) run through the engine only")
     backend = EngineBackend(model_dir, heal, beams, layout) if backend_name == "engine" else TransformersBackend(model_dir)
     result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
               "tasks_per_file": tasks_per_file, "single_line_beams": beams,
@@ -218,8 +222,8 @@ def main(argv=None) -> None:
     ap.add_argument("--beams", type=int, default=1,
                     help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)")
     ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS,
-                    help="prefix kept before the cursor, cut at a line start (the language server sends up to "
-                         "1,536 tokens, about 5,400 characters)")
+                    help="prefix kept before the cursor, cut at a line start (see --editor-context for what the "
+                         "language server sends)")
     ap.add_argument("--suffix-chars", type=int, default=SUFFIX_CHARS, help="suffix kept after the cursor, cut at a line end")
     ap.add_argument("--layout", choices=["eval", "server"], default="eval",
                     help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "

@@ -45,7 +45,8 @@ def parse_args(argv=None):
                     help="row length in tokens; the export declares the longest a model trained on as its context")
     ap.add_argument("--chunk-chars", type=int, default=CHUNK_CHARS,
                     help="documents are cut into pieces of about this many characters, one example each: "
-                         "a FIM example's prefix and suffix together stay within it (keep it under ~3.4 x --seq-len)")
+                         "a FIM example's prefix and suffix together stay within it (about 2.9 x --seq-len, as the "
+                         "default 3,000 for 1,024: a FIM example longer than a row loses its end)")
     ap.add_argument("--batch-rows", type=int, default=256)
     ap.add_argument("--micro-rows", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)

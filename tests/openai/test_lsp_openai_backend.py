@@ -16,7 +16,8 @@ from pytest_lsp import ClientServerConfig
 from wd_lsp.config import Settings, merge_settings
 from wd_lsp.context import build_context
 from wd_lsp.document import Document, Position
-from wd_lsp.openai_backend import OpenAIBackend, fim_template_prompt
+from engine.client import EngineUnavailable
+from wd_lsp.openai_backend import FIM_PREFIX, OpenAIBackend, fim_template_prompt
 from wd_lsp.shape import StopRules
 
 PY = "import os\n\n\ndef add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        \n"
@@ -249,4 +250,38 @@ async def test_the_models_context_comes_from_the_servers_model_list(card, contex
     backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
     await backend.ensure_connected()
     assert backend.model_info.get("max_context") == context
+    await backend.http.aclose()
+
+
+@pytest.mark.parametrize("refusals, answered", [(1, True), (2, False)])
+async def test_a_prompt_refused_as_too_long_is_asked_again_with_half_the_prefix(refusals, answered):
+    """The context budget estimates tokens from characters; where dense code makes the prompt
+    longer than the model's context, the server says so and gets half the prefix once."""
+    import json
+
+    prompts = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "remote-coder", "max_model_len": 1024}]})
+        prompts.append(json.loads(request.content)["prompt"])
+        if len(prompts) <= refusals:
+            return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 1024 "
+                                                                  "tokens; the prompt has 1100", "code": 400}})
+        event = json.dumps({"choices": [{"text": "x = 1", "index": 0}]})
+        return httpx.Response(200, text=f"data: {event}\n\ndata: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+    backend = OpenAIBackend(States(), lambda m: None)
+    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
+        "baseUrl": "http://remote.invalid/v1", "fim": "template"}}, warn=pytest.fail))
+    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    ctx = context()
+    if answered:
+        assert (await backend.complete(ctx, NO_STOPS, key="k")).text == "x = 1"
+    else:
+        with pytest.raises(EngineUnavailable, match="maximum context length"):
+            await backend.complete(ctx, NO_STOPS, key="k")
+    assert len(prompts) == 2  # never more than one second try
+    first, second = (p.split(FIM_PREFIX)[1].split("<|fim_suffix|>")[0] for p in prompts)
+    assert ctx.prefix.endswith(second) and 0 < len(second) <= len(first) // 2 + 1
     await backend.http.aclose()
