@@ -6,8 +6,9 @@ Order, most stable first:
      marker — typing at the cursor only appends to the prompt, so every earlier block stays a
      cache hit; otherwise PSM with the suffix bounded, so a change in the suffix invalidates
      only what follows the prefix.
-A token budget is enforced here: the suffix keeps its start, the prefix keeps its end, the
-context chunks go first when space runs out.
+A token budget is enforced here: the suffix keeps its start, the prefix keeps its end (whole
+lines go from its start in steps, so the cut stays put while the user types), the context chunks
+go first when space runs out.
 """
 
 from __future__ import annotations
@@ -49,6 +50,40 @@ def uses_repo_context(model_dir: str | Path) -> bool:
             return bool(cfg["repo_context"])
     tokenizer_json = Path(model_dir) / "tokenizer.json"
     return tokenizer_json.is_file() and '"<|repo_name|>"' in tokenizer_json.read_text()
+
+
+# Where a prefix is too long for the budget, whole lines go from its start in steps of this many,
+# so the start stays put while the user types (and the prefix cache stays warm) until the next
+# step is needed; a cut at an exact token count would move with every keystroke.
+PREFIX_CUT_LINES = 16
+
+
+def _fit_prefix(tokenizer, prefix: str, prefix_ids: list[int], room: int, heal: bool) -> list[int]:
+    """The prefix's ids within `room` tokens, cut at a line start in steps of PREFIX_CUT_LINES
+    lines; a prefix whose last lines alone are too long is cut at an exact token count."""
+    lines = prefix.splitlines(keepends=True)
+
+    def without(steps: int) -> list[int] | None:  # the ids with that many steps of lines gone, if they fit
+        text = "".join(lines[steps * PREFIX_CUT_LINES:])
+        ids = token_healer(tokenizer).split(text)[0] if heal else tokenizer.encode(text)
+        return ids if len(ids) <= room else None
+
+    # The fewest steps that fit, so the cut depends on the text alone: start from a guess by
+    # the mean tokens per line, then walk to the boundary (usually a step or two).
+    per_line = max(1.0, len(prefix_ids) / max(1, len(lines)))
+    steps = max(1, -(-int((len(prefix_ids) - room) / per_line) // PREFIX_CUT_LINES))
+    most = (len(lines) - 1) // PREFIX_CUT_LINES  # keep at least the cursor's line
+    steps = min(steps, most)
+    fitted = without(steps) if steps >= 1 else None
+    if fitted is not None:
+        while steps > 1 and (fewer := without(steps - 1)) is not None:
+            steps, fitted = steps - 1, fewer
+        return fitted
+    while steps < most:
+        steps += 1
+        if (fitted := without(steps)) is not None:
+            return fitted
+    return prefix_ids[max(0, len(prefix_ids) - room):]
 
 
 def prompt_budget(context: int, max_tokens: int, max_prompt_tokens: int) -> int:
@@ -95,7 +130,8 @@ def build_completion_prompt(
     if fixed + 1 > max_prompt_tokens:  # degenerate budget: drop the suffix before the prefix
         suffix_ids = suffix_ids[: max(0, max_prompt_tokens - 4 - len(header))]
         fixed = 3 + len(header) + len(suffix_ids)
-    prefix_ids = prefix_ids[max(0, len(prefix_ids) - (max_prompt_tokens - fixed)) :]
+    if len(prefix_ids) > max_prompt_tokens - fixed:
+        prefix_ids = _fit_prefix(tokenizer, prefix, prefix_ids, max_prompt_tokens - fixed, heal)
     room = max_prompt_tokens - fixed - len(prefix_ids)
     context: list[int] = []
     if sep is not None:

@@ -46,3 +46,26 @@ def test_special_token_text_in_a_file_is_plain_text(checkpoint_factory):
     ids = tok.encode("x = '<|fim_middle|>'")
     assert tok.token_id("<|fim_middle|>") not in ids
     assert tok.decode(ids) == "x = '<|fim_middle|>'"
+
+
+def test_a_prefix_over_budget_is_cut_at_a_line_step_that_stays_put_while_typing(checkpoint_factory):
+    from engine.prompt_layout import PREFIX_CUT_LINES
+
+    tok = _tok(checkpoint_factory)
+    prefix = "".join(f"values_{i} = [{i}, {i * 7}, {i * 13}]\n" for i in range(400)) + "result = values_3"
+    suffix = "\nprint(result)\n"
+    prompts = [build_completion_prompt(tok, prefix + typed, suffix, order="spm", max_prompt_tokens=600)
+               for typed in ("", "9", "9 ", "9 +")]
+    for ids in prompts:
+        assert len(ids) <= 600
+    text = tok.decode(prompts[0])
+    first_line = text.split("<|fim_prefix|>")[1].split("\n")[0]
+    kept = prefix.split("\n").index(first_line)
+    assert kept % PREFIX_CUT_LINES == 0 and kept > 0  # whole lines, in steps
+    # typing only appends: the prompts share all but their last few tokens
+    for before, after in zip(prompts, prompts[1:]):
+        common = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), len(before))
+        assert common >= len(before) - 3
+    # the fewest steps that fit: one step less would not
+    one_less = "".join(prefix.splitlines(keepends=True)[kept - PREFIX_CUT_LINES:])
+    assert len(build_completion_prompt(tok, one_less, suffix, order="spm", max_prompt_tokens=10**6)) > 600
