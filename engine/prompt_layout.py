@@ -68,21 +68,18 @@ def _fit_prefix(tokenizer, prefix: str, prefix_ids: list[int], room: int, heal: 
         ids = token_healer(tokenizer).split(text)[0] if heal else tokenizer.encode(text)
         return ids if len(ids) <= room else None
 
-    # The fewest steps that fit, so the cut depends on the text alone: start from a guess by
-    # the mean tokens per line, then walk to the boundary (usually a step or two).
-    per_line = max(1.0, len(prefix_ids) / max(1, len(lines)))
-    steps = max(1, -(-int((len(prefix_ids) - room) / per_line) // PREFIX_CUT_LINES))
-    most = (len(lines) - 1) // PREFIX_CUT_LINES  # keep at least the cursor's line
-    steps = min(steps, most)
-    fitted = without(steps) if steps >= 1 else None
-    if fitted is not None:
-        while steps > 1 and (fewer := without(steps - 1)) is not None:
-            steps, fitted = steps - 1, fewer
-        return fitted
-    while steps < most:
-        steps += 1
-        if (fitted := without(steps)) is not None:
-            return fitted
+    # The fewest steps that fit (fewer lines, fewer tokens), so the cut depends on the text alone:
+    # a binary search, a handful of encodes even for a huge prefix.
+    lo, hi = 1, (len(lines) - 1) // PREFIX_CUT_LINES  # keep at least the cursor's line
+    best = without(hi) if hi >= 1 else None
+    if best is not None:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (fitted := without(mid)) is not None:
+                hi, best = mid, fitted
+            else:
+                lo = mid + 1
+        return best
     return prefix_ids[max(0, len(prefix_ids) - room):]
 
 
