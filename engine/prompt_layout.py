@@ -59,28 +59,52 @@ PREFIX_CUT_LINES = 16
 
 
 def _fit_prefix(tokenizer, prefix: str, prefix_ids: list[int], room: int, heal: bool) -> list[int]:
-    """The prefix's ids within `room` tokens, cut at a line start in steps of PREFIX_CUT_LINES
-    lines; a prefix whose last lines alone are too long is cut at an exact token count."""
-    lines = prefix.splitlines(keepends=True)
+    """The prefix's ids within `room` tokens, without the fewest whole lines from its start that
+    fit, counted in steps of PREFIX_CUT_LINES; where a step would leave over a quarter of the room
+    unused (long lines), or no whole step fits, in single lines. A prefix whose cursor line alone
+    is too long is cut at an exact token count."""
+    if room <= 0:
+        return []
+    lines = prefix.split("\n")  # the last is the cursor's line, kept whole
+    # The healer caches its last split for the engine's healed_text of this same prefix: these
+    # trial splits of shorter texts must not replace it.
+    encode = token_healer(tokenizer)._split if heal else (lambda text: (tokenizer.encode(text), ""))
 
-    def without(steps: int) -> list[int] | None:  # the ids with that many steps of lines gone, if they fit
-        text = "".join(lines[steps * PREFIX_CUT_LINES:])
-        ids = token_healer(tokenizer).split(text)[0] if heal else tokenizer.encode(text)
+    def without(dropped: int) -> list[int] | None:  # ids with that many first lines gone, if they fit
+        ids = encode("\n".join(lines[dropped:]))[0]
         return ids if len(ids) <= room else None
 
-    # The fewest steps that fit (fewer lines, fewer tokens), so the cut depends on the text alone:
-    # a binary search, a handful of encodes even for a huge prefix.
-    lo, hi = 1, (len(lines) - 1) // PREFIX_CUT_LINES  # keep at least the cursor's line
-    best = without(hi) if hi >= 1 else None
-    if best is not None:
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if (fitted := without(mid)) is not None:
-                hi, best = mid, fitted
+    def fewest(bad: int, good: int, best: list[int], unit: int) -> tuple[int, list[int]]:
+        """Between a count of `unit`s of lines that does not fit and one that does, the fewest
+        that fit, searched down from `good` by doubling, then halving: the texts encoded stay
+        near the room's size, and fewer lines gone means more tokens, so the answer is exact."""
+        step = 1
+        while good - step > bad:
+            found = without((good - step) * unit)
+            if found is None:
+                bad = good - step
+                break
+            good, best, step = good - step, found, step * 2
+        while good - bad > 1:
+            mid = (good + bad) // 2
+            if (found := without(mid * unit)) is None:
+                bad = mid
             else:
-                lo = mid + 1
-        return best
-    return prefix_ids[max(0, len(prefix_ids) - room):]
+                good, best = mid, found
+        return good, best
+
+    last = len(lines) - 1  # lines that may go: all but the cursor's
+    tail = without(last) if last else None
+    if tail is None:
+        return prefix_ids[len(prefix_ids) - room:]
+    most = last // PREFIX_CUT_LINES
+    best = without(most * PREFIX_CUT_LINES) if most else None
+    if best is None:  # whole steps cannot make it fit: single lines after the last step
+        return fewest(most * PREFIX_CUT_LINES, last, tail, 1)[1]
+    steps, best = fewest(0, most, best, PREFIX_CUT_LINES)
+    if room - len(best) > room // 4:  # a step of long lines: give back what single lines can
+        best = fewest((steps - 1) * PREFIX_CUT_LINES, steps * PREFIX_CUT_LINES, best, 1)[1]
+    return best
 
 
 def prompt_budget(context: int, max_tokens: int, max_prompt_tokens: int) -> int:

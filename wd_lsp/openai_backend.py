@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 from typing import Callable
@@ -54,7 +55,8 @@ class OpenAIBackend:
         self.state = "idle"
         self.model_info: dict | None = None
         self.model: str | None = None
-        self.counters = dict(requests=0, errors=0)
+        self.counters = dict(requests=0, errors=0, context_retries=0)
+        self._context_logged = False  # a context refusal is logged once
         self._error_logged = False
 
     def configure(self, settings: Settings) -> None:
@@ -104,25 +106,40 @@ class OpenAIBackend:
     async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
         """Stream a completion, closing the stream as soon as a stop rule fires. A server that
         refuses the prompt as longer than its model's context (the budget counts tokens by an
-        estimate, and dense code has more) gets it once more with half the prefix."""
+        estimate, and dense code has more) gets it once more with half the prefix, and the
+        context the budget fits shrinks for the requests after it."""
+        self.counters["requests"] += 1
         try:
             return await self._complete(ctx, rules)
         except ContextTooLong as exc:
+            self._shrink_context(exc)
             shorter = _half_prefix(ctx)
             if shorter is None:
-                log.warning("%s", exc)
+                self.counters["errors"] += 1
                 raise
-            log.info("the server refused the prompt as too long; asking again with half the prefix")
+        self.counters["context_retries"] += 1
         try:
             return await self._complete(shorter, rules)
         except ContextTooLong as exc:
-            log.warning("%s", exc)
+            self._shrink_context(exc)
+            self.counters["errors"] += 1
             raise
+
+    def _shrink_context(self, exc: ContextTooLong) -> None:
+        """Fit the next prompts to 80% of the context in use (or of the one the error names)."""
+        named = re.search(r"maximum context length is (\d+)", str(exc), re.IGNORECASE)
+        info = self.model_info if self.model_info is not None else {}
+        context = info.get("max_context") or (int(named.group(1)) if named else None)
+        if context:
+            info["max_context"] = max(64, int(0.8 * context))
+            self.model_info = info
+        if not self._context_logged:
+            self._context_logged = True
+            log.warning("%s; prompts now fit %s tokens", exc, info.get("max_context", "fewer"))
 
     async def _complete(self, ctx: CompletionContext, rules: StopRules) -> EngineAnswer:
         s = self.settings
         http = await self.ensure_connected()
-        self.counters["requests"] += 1
         stops = list(rules.stop_strings)
         body = dict(model=self.model, max_tokens=s.max_tokens, temperature=float(s.temperature),
                     stream=True, stream_options={"include_usage": True})
@@ -157,8 +174,7 @@ class OpenAIBackend:
                     if stopped:
                         break
         except ContextTooLong:
-            self.counters["errors"] += 1
-            raise
+            raise  # complete() asks again, or counts it
         except (httpx.HTTPError, ValueError, EngineUnavailable) as exc:
             self.counters["errors"] += 1
             self._report_failure(http, exc)

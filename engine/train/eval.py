@@ -104,7 +104,7 @@ class TransformersBackend:
         prefix_ids = self.encode(prefix)
         ids = self._prompt(self.encode, self.tok.token_to_id, prefix, suffix, order)
         excess = len(ids) - (self.model.config.max_position_embeddings - MAX_NEW[kind] - 1)
-        if excess > 0:  # the prefix's start goes, as in the engine backend's prompt (fim_prompt_within)
+        if excess > 0:  # the prefix's start goes (at a token; the engine backend drops whole lines)
             kept = prefix_ids[excess:]
             ids = self._prompt(lambda text: kept if text == prefix else self.encode(text), self.tok.token_to_id,
                                prefix, suffix, order)

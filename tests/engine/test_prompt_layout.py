@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders, uses_repo_context
 from engine.tokenizer import Tokenizer
 
@@ -48,24 +50,42 @@ def test_special_token_text_in_a_file_is_plain_text(checkpoint_factory):
     assert tok.decode(ids) == "x = '<|fim_middle|>'"
 
 
-def test_a_prefix_over_budget_is_cut_at_a_line_step_that_stays_put_while_typing(checkpoint_factory):
+def _kept_lines(tok, ids, prefix):
+    """How many of the prefix's first lines the prompt left out (it must start at a line start)."""
+    kept = tok.decode(ids).split("<|fim_prefix|>")[1].removesuffix("<|fim_middle|>")
+    assert prefix.endswith(kept)
+    dropped = prefix[: len(prefix) - len(kept)]
+    assert dropped.endswith("\n")
+    return dropped.count("\n")
+
+
+@pytest.mark.parametrize("heal", [False, True])
+def test_a_prefix_over_budget_loses_whole_lines_in_steps_that_stay_put_while_typing(checkpoint_factory, heal):
     from engine.prompt_layout import PREFIX_CUT_LINES
 
     tok = _tok(checkpoint_factory)
-    prefix = "".join(f"values_{i} = [{i}, {i * 7}, {i * 13}]\n" for i in range(400)) + "result = values_3"
+    prefix = "".join(f"v{i} = {i}\n" for i in range(800)) + "result = v3"
     suffix = "\nprint(result)\n"
-    prompts = [build_completion_prompt(tok, prefix + typed, suffix, order="spm", max_prompt_tokens=600)
+    prompts = [build_completion_prompt(tok, prefix + typed, suffix, order="spm", max_prompt_tokens=600, heal=heal)
                for typed in ("", "9", "9 ", "9 +")]
-    for ids in prompts:
-        assert len(ids) <= 600
-    text = tok.decode(prompts[0])
-    first_line = text.split("<|fim_prefix|>")[1].split("\n")[0]
-    kept = prefix.split("\n").index(first_line)
-    assert kept % PREFIX_CUT_LINES == 0 and kept > 0  # whole lines, in steps
-    # typing only appends: the prompts share all but their last few tokens
-    for before, after in zip(prompts, prompts[1:]):
+    assert all(len(ids) <= 600 for ids in prompts)
+    dropped = _kept_lines(tok, prompts[0], prefix) if not heal else None
+    if dropped is not None:
+        assert dropped % PREFIX_CUT_LINES == 0  # short lines: whole steps
+        one_less = "".join(prefix.splitlines(keepends=True)[dropped - PREFIX_CUT_LINES:])
+        assert len(build_completion_prompt(tok, one_less, suffix, order="spm", max_prompt_tokens=10**6)) > 600
+    assert len(prompts[0]) >= 600 * 3 // 4  # a step leaves at most a quarter of the room unused
+    for before, after in zip(prompts, prompts[1:]):  # typing only appends
         common = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), len(before))
         assert common >= len(before) - 3
-    # the fewest steps that fit: one step less would not
-    one_less = "".join(prefix.splitlines(keepends=True)[kept - PREFIX_CUT_LINES:])
-    assert len(build_completion_prompt(tok, one_less, suffix, order="spm", max_prompt_tokens=10**6)) > 600
+
+
+def test_long_lines_are_cut_one_by_one_within_a_step(checkpoint_factory):
+    tok = _tok(checkpoint_factory)
+    prefix = "".join(f"row_{i} = '{'x' * 150}'\n" for i in range(40)) + "total = "
+    ids = build_completion_prompt(tok, prefix, "\n", order="spm", max_prompt_tokens=600)
+    assert 600 * 3 // 4 <= len(ids) <= 600
+    assert _kept_lines(tok, ids, prefix) % 16 != 0  # not a whole step: single lines gave room back
+    # a prefix whose cursor line alone is too long is cut at an exact count
+    ids = build_completion_prompt(tok, "y = '" + "z" * 5000, "\n", order="spm", max_prompt_tokens=300)
+    assert len(ids) == 300

@@ -284,4 +284,28 @@ async def test_a_prompt_refused_as_too_long_is_asked_again_with_half_the_prefix(
     assert len(prompts) == 2  # never more than one second try
     first, second = (p.split(FIM_PREFIX)[1].split("<|fim_suffix|>")[0] for p in prompts)
     assert ctx.prefix.endswith(second) and 0 < len(second) <= len(first) // 2 + 1
+    # one request, retried once; the budget of the next ones fits a smaller context
+    assert backend.counters == {"requests": 1, "errors": 0 if answered else 1, "context_retries": 1}
+    assert backend.model_info["max_context"] == (819 if answered else 655)
+    assert backend.state == "ready"  # not an outage
+    await backend.http.aclose()
+
+
+async def test_other_refusals_are_not_asked_again():
+    requests = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "remote-coder"}]})
+        requests.append(request)
+        return httpx.Response(400, json={"error": {"message": "'temperature' must be a number", "code": 400}})
+
+    backend = OpenAIBackend(States(), lambda m: None)
+    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
+        "baseUrl": "http://remote.invalid/v1"}}, warn=pytest.fail))
+    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    with pytest.raises(EngineUnavailable, match="temperature"):
+        await backend.complete(context(), NO_STOPS, key="k")
+    assert len(requests) == 1 and backend.counters["context_retries"] == 0
+    assert "max_context" not in backend.model_info
     await backend.http.aclose()
