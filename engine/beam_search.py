@@ -31,6 +31,7 @@ from engine.sampling import forbid
 from engine.token_healing import Forcing, forcing_for
 from engine.tokenizer import Tokenizer
 
+
 @dataclass
 class Hypothesis:
     score: float  # sum of the log-probabilities of its tokens

@@ -63,8 +63,9 @@ class Budget:
             return self
         room = max(0, max_context - max(max_tokens, 1) - PROMPT_MARKER_TOKENS)
         suffix = min(self.suffix_tokens, room // 4)
-        prefix = min(self.prefix_tokens, int((room - suffix) * ESTIMATE_MARGIN))
-        extra = min(self.extra_tokens, max(0, int((room - suffix) * ESTIMATE_MARGIN) - prefix))
+        usable = int((room - suffix) * ESTIMATE_MARGIN)  # for the prefix first, then extra chunks
+        prefix = min(self.prefix_tokens, usable)
+        extra = min(self.extra_tokens, usable - prefix)
         return replace(self, prefix_tokens=prefix, suffix_tokens=suffix, extra_tokens=extra)
 
 

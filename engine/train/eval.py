@@ -39,30 +39,31 @@ class EngineBackend:
         from engine.fim import healed_text
         from engine.generate import complete
         from engine.loader import load_model
+        from engine.prompt_layout import build_completion_prompt, fim_prompt_within, prompt_budget
+        from engine.server import ServeOptions
         from engine.tokenizer import Tokenizer
+        from wd_lsp.config import Settings
 
         self.model = load_model(model_dir)
         self.tok = Tokenizer.from_dir(model_dir)
         self._complete, self._healed = complete, healed_text
+        self._server_prompt, self._fim_prompt = build_completion_prompt, fim_prompt_within
         self.heal = heal
         self.beams = beams  # single-line tasks only: what the language server asks for
-        self.layout = layout
+        self.context = self.model.config.max_position_embeddings
+        # server: the daemon's budget for the language server's request (its max_tokens)
+        self.server_budget = prompt_budget(self.context, Settings().max_tokens, ServeOptions.max_prompt_tokens) \
+            if layout == "server" else None
 
     def _prompt_ids(self, prefix: str, suffix: str, order: str, kind: str) -> list[int]:
         """server: the prompt the engine daemon builds for the language server's request (the
         suffix cut to its token cap, then the prefix's end, within what the model's context leaves
         after the server's max_tokens). eval: the whole suffix and as much of the prefix's end as
         the context leaves after this task's new tokens (all of it for most tasks)."""
-        from engine.prompt_layout import build_completion_prompt, fim_prompt_within, prompt_budget
-        from engine.server import ServeOptions
-        from wd_lsp.config import Settings
-
-        context = self.model.config.max_position_embeddings
-        if self.layout == "server":
-            budget = prompt_budget(context, Settings().max_tokens, ServeOptions.max_prompt_tokens)
-            return build_completion_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=budget,
-                                           repo_context=False, heal=self.heal)
-        return fim_prompt_within(self.tok, prefix, suffix, order, context, MAX_NEW[kind], heal=self.heal)
+        if self.server_budget is not None:
+            return self._server_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=self.server_budget,
+                                       repo_context=False, heal=self.heal)
+        return self._fim_prompt(self.tok, prefix, suffix, order, self.context, MAX_NEW[kind], heal=self.heal)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -101,11 +102,10 @@ class TransformersBackend:
 
     @torch.no_grad()
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
-        prefix_ids = self.encode(prefix)
         ids = self._prompt(self.encode, self.tok.token_to_id, prefix, suffix, order)
         excess = len(ids) - (self.model.config.max_position_embeddings - MAX_NEW[kind] - 1)
         if excess > 0:  # the prefix's start goes (at a token; the engine backend drops whole lines)
-            kept = prefix_ids[excess:]
+            kept = self.encode(prefix)[excess:]
             ids = self._prompt(lambda text: kept if text == prefix else self.encode(text), self.tok.token_to_id,
                                prefix, suffix, order)
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
