@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+QUANT_METHODS = ("fp8", "compressed-tensors")  # the schemes engine.weights dequantizes at load
 
 
 class ModelFormatError(ValueError):
@@ -62,10 +63,12 @@ class ModelConfig:
         quant = cfg.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
             raise ModelFormatError(f"quantization_config must be an object, got {type(quant).__name__}")
-        if quant and quant.get("quant_method") != "fp8":
-            # Block-scaled FP8 weights are dequantized at load; other schemes need their own kernels.
+        if quant and quant.get("quant_method") not in QUANT_METHODS:
+            # Block-scaled FP8 and group-scaled int4 weights are dequantized at load; other schemes
+            # would need their own kernels.
             raise ModelFormatError(
-                f"unsupported quantization {quant.get('quant_method')!r}; only block-scaled fp8 checkpoints load"
+                f"unsupported quantization {quant.get('quant_method')!r}; block-scaled fp8 and int4 "
+                "(compressed-tensors pack-quantized) checkpoints load"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelFormatError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is implemented")

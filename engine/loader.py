@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine import int4
 from engine.config import ModelConfig, ModelFormatError
 from engine.fp8 import block_size
 from engine.model import LayerWeights, Qwen3MoeModel
@@ -43,7 +44,7 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    reader = CheckpointReader(model_dir, fp8_block(config))
+    reader = CheckpointReader(model_dir, fp8_block(config), int4_group(config))
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return reader.get(name, shape, dtype).to(device)
@@ -94,6 +95,13 @@ def load_model(
 def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
     try:
         return block_size(config.raw)
+    except ValueError as exc:
+        raise ModelFormatError(str(exc)) from exc
+
+
+def int4_group(config: ModelConfig) -> int | None:
+    try:
+        return int4.config_group_size(config.raw)
     except ValueError as exc:
         raise ModelFormatError(str(exc)) from exc
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import int4
 from engine.fp8 import SCALE_SUFFIX, block_size, dequantize
 
 SHARD_BYTES = 16_000_000
@@ -45,7 +46,7 @@ EXPORTED_WEIGHTS, EXPORTED_STATE, EXPORTED_LOG = "model.safetensors", "training_
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """HF-named weights; an FP8 export comes back dequantized (exactly, in bf16)."""
+    """HF-named weights; an FP8 or int4 export comes back dequantized (exactly, in bf16)."""
     shards = sorted(Path(ckpt).glob("model-*.safetensors")) or [Path(ckpt) / EXPORTED_WEIGHTS]
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -59,6 +60,10 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         for key in scales:
             name = key.removesuffix(SCALE_SUFFIX)
             weights[name] = dequantize(weights[name], weights.pop(key), block, torch.bfloat16)
+    for key in [k for k in weights if k.endswith(".weight_packed")]:
+        name = key.removesuffix("_packed")
+        shape = weights.pop(name + "_shape").tolist()
+        weights[name] = int4.dequantize(weights.pop(key), weights.pop(name + "_scale"), shape, torch.bfloat16)
     return weights
 
 

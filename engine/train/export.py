@@ -1,10 +1,11 @@
 """Turn a training checkpoint into the shipped Hugging Face model folder.
 
-    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny [--fp8-block 64]
+    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny [--fp8-block 64 | --int4-group 32]
 
 Writes one `model.safetensors` (standard per-expert HF keys, tied lm_head omitted as transformers
 does; bf16, or with --fp8-block the attention and expert projections as block-scaled FP8 in the
-format of Qwen's FP8 releases, which the engine and transformers both read), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
+format of Qwen's FP8 releases, which the engine and transformers both read, or with --int4-group as
+group-scaled int4 in compressed-tensors' pack-quantized format, engine/int4.py), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
 `state.json` and `loss.png` next to it as `training_log.jsonl` / `training_state.json` / `loss.png`.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from engine import int4
 from engine.fp8 import SCALE_SUFFIX, quantize
 
 from . import checkpoint
@@ -34,6 +36,19 @@ def fp8_weights(weights: dict, block: int) -> dict:
     return out
 
 
+def int4_weights(weights: dict, group: int) -> dict:
+    """The projections as int4 (engine/int4.py); embedding, router and norms stay bf16."""
+    out = {}
+    for name, t in weights.items():
+        out.update(int4.store(name, t, group) if t.ndim == 2 and name.endswith("_proj.weight") else {name: t})
+    return out
+
+
+def int4_ignore(config: dict) -> list[str]:
+    """The Linear modules left unquantized: the tied head and the routers."""
+    return ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+
+
 def fp8_quantization_config(config: dict, block: int) -> dict:
     # Modules left in bf16 are named, as Qwen's FP8 configs do, so a loader that would swap in
     # FP8 layers (transformers on a GPU) leaves them alone.
@@ -48,7 +63,7 @@ def trained_context(state: dict) -> int:
     return max((run.get("seq_len", 1024) for run in state.get("runs", [])), default=CONFIG["max_position_embeddings"])
 
 
-def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None) -> Path:
+def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None, int4_group: int | None = None) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
     # Grown runs differ from CONFIG.
     config = {**CONFIG, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights),
@@ -56,6 +71,9 @@ def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None) -> Path:
     if fp8_block:
         weights = fp8_weights(weights, fp8_block)
         config["quantization_config"] = fp8_quantization_config(config, fp8_block)
+    elif int4_group:
+        weights = int4_weights(weights, int4_group)
+        config["quantization_config"] = int4.quantization_config(int4_group, int4_ignore(config))
     write_configs(model_dir, config)
     path = model_dir / "model.safetensors"
     save_file(weights, str(path), metadata={"format": "pt"})
@@ -74,10 +92,17 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8-block", type=int, help="ship the projections as FP8 with this block size (as trained "
                     "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
                     "Without it, a checkpoint trained with --fp8-block ships its unrounded bf16 weights")
+    ap.add_argument("--int4-group", type=int, help="ship the projections as int4 with one scale per this many "
+                    "input columns (as trained with train --int4-group; a multiple of 8 that divides the hidden and "
+                    "expert sizes)")
     args = ap.parse_args(argv)
     if args.fp8_block is not None and args.fp8_block <= 0:
         ap.error("--fp8-block must be a positive number of rows and columns")
-    path = export(args.ckpt, args.model_dir, args.fp8_block)
+    if args.fp8_block and args.int4_group:
+        ap.error("--fp8-block and --int4-group are two formats: give one")
+    if args.int4_group is not None and (args.int4_group <= 0 or args.int4_group % 8):
+        ap.error("--int4-group must be a positive multiple of 8")
+    path = export(args.ckpt, args.model_dir, args.fp8_block, args.int4_group)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

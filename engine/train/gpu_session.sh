@@ -12,7 +12,7 @@
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
 #
 # Everything that must come back is copied under $OUT (checkpoint shards are <= 16 MB each; a run
-# with --fp8-block brings back its FP8 export as model.safetensors.partNN, to be joined with cat,
+# with --fp8-block or --int4-group brings back its quantized export as model.safetensors.partNN, to be joined with cat,
 # and export.tgz with its config and training state).
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
@@ -22,13 +22,13 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
 copy_out() {  # the newest checkpoint, and one archive of the logs and the corpus build's records
-    if [ -d "$RUN/out/ckpt" ] && [ -f "$RUN/fp8_block" ]; then
-        # A run trained through FP8 rounding comes back as its FP8 export, in pieces under the
-        # per-file limit: a grown model's bf16 checkpoint would outgrow the transfer limit, and
-        # the export holds the same rounded weights the training forward used.
+    if [ -d "$RUN/out/ckpt" ] && [ -f "$RUN/export_args" ]; then
+        # A run trained through FP8 or int4 rounding comes back as its quantized export, in pieces
+        # under the per-file limit: a grown model's bf16 checkpoint would outgrow the transfer
+        # limit, and the export holds the same rounded weights the training forward used.
         rm -rf "$RUN/export" && mkdir -p "$RUN/export"
         $py -m engine.train.export --ckpt "$RUN/out/ckpt" --model-dir "$RUN/export" \
-            --fp8-block "$(cat "$RUN/fp8_block")" || return 1
+            $(cat "$RUN/export_args") || return 1
         split -b 15M -d "$RUN/export/model.safetensors" "$OUT/model.safetensors.part"
         tar -czf "$OUT/export.tgz" -C "$RUN/export" config.json generation_config.json training_state.json
     elif [ -d "$RUN/out/ckpt" ]; then
@@ -74,11 +74,13 @@ start)
     pack=$2 budget=$3; shift 3
     SECONDS=0
     if running; then echo "a run is already going: watch or finish it"; exit 1; fi
-    rm -rf "$RUN/out" "$RUN/train.log" "$RUN/fp8_block"  # a warm machine keeps the last run's files
+    rm -rf "$RUN/out" "$RUN/train.log" "$RUN/export_args"  # a warm machine keeps the last run's files
     mkdir -p "$RUN" .corpus
     args=("$@")
-    for i in "${!args[@]}"; do  # what copy_out brings back: the FP8 export of an FP8-trained run
-        [ "${args[$i]}" = --fp8-block ] && echo "${args[$((i + 1))]}" > "$RUN/fp8_block"
+    for i in "${!args[@]}"; do  # what copy_out brings back: the quantized export of a run trained through it
+        case "${args[$i]}" in
+        --fp8-block | --int4-group) echo "${args[$i]} ${args[$((i + 1))]}" > "$RUN/export_args" ;;
+        esac
     done
     rm -f .corpus/*.jsonl  # the trainer reads every train*.jsonl: none may be left from a last run
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -11,21 +11,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fp8 import fake_quantize
+from engine import fp8, int4
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) that can train through FP8 rounding: with `fp8_block` set, the forward
-    pass sees the weight as the shipped FP8 checkpoint will hold it (quantization-aware training),
-    while the optimizer keeps updating the full-precision weight."""
+    """nn.Linear (no bias) that can train through FP8 or int4 rounding: with `fp8_block` or
+    `int4_group` set, the forward pass sees the weight as the shipped quantized checkpoint will hold
+    it (quantization-aware training), while the optimizer keeps updating the full-precision weight."""
 
     fp8_block: int | None = None
+    int4_group: int | None = None
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def effective_weight(self) -> torch.Tensor:
-        return self.weight if self.fp8_block is None else fake_quantize(self.weight, self.fp8_block)
+        if self.int4_group is not None:
+            return int4.fake_quantize(self.weight, self.int4_group)
+        return self.weight if self.fp8_block is None else fp8.fake_quantize(self.weight, self.fp8_block)
 
     def forward(self, x):
         return F.linear(x, self.effective_weight())
@@ -199,6 +202,12 @@ class Qwen3MoeLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.fp8_block = block
+
+    def set_int4_training(self, group: int | None) -> None:
+        """As `set_fp8_training`, through int4 rounding with this group size (`export --int4-group`)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.int4_group = group
 
     def forward(self, ids: torch.Tensor):
         """ids [B, T] -> (logits [B, T, V], mean router balance loss)."""

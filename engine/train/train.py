@@ -39,6 +39,8 @@ def parse_args(argv=None):
                     "copies of the busiest with near-zero router rows (engine/train/grow.py)")
     ap.add_argument("--fp8-block", type=int, help="train through FP8 rounding of the projections with this block "
                     "size, as `export --fp8-block` will ship them (quantization-aware training)")
+    ap.add_argument("--int4-group", type=int, help="train through int4 rounding of the projections with this "
+                    "group size, as `export --int4-group` will ship them (quantization-aware training)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--seq-len", type=int, default=1024,
@@ -183,6 +185,9 @@ def main(argv=None) -> None:
     if args.fp8_block:
         model.set_fp8_training(args.fp8_block)
         run["fp8_block"] = args.fp8_block
+    if args.int4_group:
+        model.set_int4_training(args.int4_group)
+        run["int4_group"] = args.int4_group
     if args.resume:
         model.load_state_dict({k: v.float() for k, v in weights.items()})
         state = checkpoint.load_state(args.resume)
