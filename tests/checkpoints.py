@@ -120,3 +120,47 @@ def lone_path_model(variant: str, form: str = "fp32"):
             layer.b_o = 0.1 * torch.randn(layer.w_o.shape[0], generator=g)
     model.lone_weights = form
     return model
+
+
+def scaled_training_model(config: dict, seed: int = 0, dense: bool = False):
+    """engine/train/model.py's Qwen3MoeLM, its weights 4x init: large enough that routing and
+    experts matter when two forwards are compared."""
+    from engine.train.model import Qwen3MoeLM
+
+    model = Qwen3MoeLM(config, dense_moe=dense)
+    model.init_weights(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model
+
+
+def engine_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
+    """The engine's logits [B, T, V] of token rows ids [B, T], loaded from model_dir."""
+    from engine.loader import load_model
+
+    engine = load_model(model_dir)
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    return engine.forward(ids, positions, engine.new_cache(ids.shape[0]))
+
+
+def max_rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude of the reference."""
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def row_scaled_weights(shape, seed: int = 0) -> torch.Tensor:
+    """Fresh random weights whose magnitude varies by row, so quantization blocks or groups get
+    different scales."""
+    g = torch.Generator().manual_seed(seed)
+    return 0.02 * torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+
+
+def quantizable_training_config() -> dict:
+    """A tiny engine/train config whose projections are 64x64 (q, o), 32x64 (k, v), 32x64 and 64x32
+    (experts): every dim a multiple of 32, as quantized exports need."""
+    from engine.train.config import CONFIG
+
+    return {**CONFIG, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32}

@@ -13,6 +13,9 @@ from engine.train.config import CONFIG
 from engine.train.grow import expert_width, widen_experts
 from engine.train.model import Linear, Qwen3MoeLM
 
+from checkpoints import (engine_logits, max_rel, quantizable_training_config, row_scaled_weights,
+                         scaled_training_model)
+
 BLOCK = 32
 SHAPES = [(64, 96), (130, 70)]  # every dim a multiple of the block; neither dim one (ragged last blocks)
 BLOCK2 = (BLOCK, BLOCK)  # as config.json's weight_block_size gives it to dequantize
@@ -22,10 +25,7 @@ TINY = {**CONFIG, "vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "
         "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32}
 
-def _weights(shape, seed=0):
-    """Fresh random weights whose magnitude varies by row, so blocks get different scales."""
-    g = torch.Generator().manual_seed(seed)
-    return 0.02 * torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+_weights = row_scaled_weights
 
 
 def _per_element(grid: torch.Tensor, shape, block: int) -> torch.Tensor:
@@ -171,12 +171,7 @@ def test_fake_quantize_rounds_forward_and_passes_gradients_straight_through(shap
 
 
 def _model(config=TINY, seed=0, dense=False):
-    model = Qwen3MoeLM(config, dense_moe=dense)
-    model.init_weights(seed)
-    with torch.no_grad():  # larger than init so routing and experts matter in the comparison
-        for p in model.parameters():
-            p.mul_(4.0)
-    return model
+    return scaled_training_model(config, seed, dense)
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
@@ -290,9 +285,7 @@ def test_fp8_training_sees_the_dequantized_projections(dense):
 
 # Every projection dim a multiple of EXPORT_BLOCK, which transformers' FP8 loader needs:
 # q/o 64x64, k/v 32x64, experts gate/up 32x64, down 64x32.
-EXPORT_TINY = {**CONFIG, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-               "moe_intermediate_size": 32}
+EXPORT_TINY = quantizable_training_config()
 EXPORT_BLOCK = 32
 
 
@@ -379,26 +372,14 @@ def _ids():
     return torch.randint(0, EXPORT_TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(10))
 
 
-def _engine_logits(model_dir, ids):
-    from engine.loader import load_model
-
-    engine = load_model(model_dir)
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    return engine.forward(ids, positions, engine.new_cache(ids.shape[0]))
-
-
-def _max_rel(ours, theirs):
-    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
-
-
 def test_engine_loads_the_fp8_export_as_trained(fp8_export):
     model, model_dir = fp8_export
     ids = _ids()
     with torch.no_grad():
         trained, _ = model(ids)
-    ours = _engine_logits(model_dir, ids)
+    ours = engine_logits(model_dir, ids)
     assert trained.std() > 0.1
-    assert _max_rel(ours, trained) < 1e-4
+    assert max_rel(ours, trained) < 1e-4
 
 
 def test_engine_loads_an_fp8_export_with_ragged_blocks_as_trained(ragged_fp8_export):
@@ -408,7 +389,7 @@ def test_engine_loads_an_fp8_export_with_ragged_blocks_as_trained(ragged_fp8_exp
     ids = _ids()
     with torch.no_grad():
         trained, _ = model(ids)
-    assert _max_rel(_engine_logits(model_dir, ids), trained) < 1e-4
+    assert max_rel(engine_logits(model_dir, ids), trained) < 1e-4
 
 
 def test_transformers_loads_the_fp8_export_like_the_engine(fp8_export):
@@ -419,7 +400,7 @@ def test_transformers_loads_the_fp8_export_like_the_engine(fp8_export):
     ids = _ids()
     with torch.no_grad():
         theirs = hf(ids).logits.float()
-    assert _max_rel(_engine_logits(model_dir, ids), theirs) < 1e-4
+    assert max_rel(engine_logits(model_dir, ids), theirs) < 1e-4
 
 
 @pytest.mark.parametrize("export", EXPORTS)

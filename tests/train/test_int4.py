@@ -10,20 +10,14 @@ from safetensors import safe_open
 
 from engine import int4
 from engine.config import ModelFormatError
-from engine.train.config import CONFIG
 from engine.train.model import Qwen3MoeLM
 
+from checkpoints import (engine_logits, max_rel, quantizable_training_config, row_scaled_weights,
+                         scaled_training_model)
+
 GROUP = 16
-# Projections 64x64 (q, o), 32x64 (k, v), 32x64 / 64x32 (experts): every in-dim a multiple of 16.
-TINY = {**CONFIG, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32}
-
-
-def _weights(shape, seed=0):
-    """Fresh random weights whose magnitude varies by row, so groups get different scales."""
-    g = torch.Generator().manual_seed(seed)
-    return 0.02 * torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+TINY = quantizable_training_config()
+_weights = row_scaled_weights
 
 
 def _significant_bits(x: torch.Tensor) -> int:
@@ -156,12 +150,7 @@ def test_other_compressed_tensors_schemes_are_refused(change):
 
 
 def _model(config=TINY, seed=0, dense=False):
-    model = Qwen3MoeLM(config, dense_moe=dense)
-    model.init_weights(seed)
-    with torch.no_grad():  # larger than init so routing and experts matter in the comparison
-        for p in model.parameters():
-            p.mul_(4.0)
-    return model
+    return scaled_training_model(config, seed, dense)
 
 
 def _ids():
@@ -238,25 +227,13 @@ def test_int4_export_layout(int4_export):
                 assert t.dtype == torch.bfloat16 and torch.equal(t.float(), state[name]), name
 
 
-def _engine_logits(model_dir, ids):
-    from engine.loader import load_model
-
-    engine = load_model(model_dir)
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    return engine.forward(ids, positions, engine.new_cache(ids.shape[0]))
-
-
-def _max_rel(ours, theirs):
-    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
-
-
 def test_engine_loads_the_int4_export_as_trained(int4_export):
     model, model_dir = int4_export
     ids = _ids()
     with torch.no_grad():
         trained, _ = model(ids)
     assert trained.std() > 0.1
-    assert _max_rel(_engine_logits(model_dir, ids), trained) < 1e-4
+    assert max_rel(engine_logits(model_dir, ids), trained) < 1e-4
 
 
 def _dequantized_gate_up(model_dir, layer):
@@ -285,7 +262,7 @@ def test_transformers_loads_the_int4_export_like_the_engine(int4_export):
     with torch.no_grad():
         theirs = hf(ids).logits.float()
     assert theirs.std() > 0.1
-    assert _max_rel(_engine_logits(model_dir, ids), theirs) < 1e-4
+    assert max_rel(engine_logits(model_dir, ids), theirs) < 1e-4
 
 
 def test_resuming_from_an_int4_export_reads_its_dequantized_weights(int4_export):
