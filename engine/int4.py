@@ -1,17 +1,17 @@
 """Group-scaled int4 weights, in the "pack-quantized" checkpoint format of compressed-tensors
-(W4A16, symmetric, one scale per group of `group` input columns), which transformers (with the
-compressed-tensors package) and vLLM read.
+(W4A16, symmetric, one scale per group of `group` input columns), as llm-compressor writes it and
+transformers (with the compressed-tensors package) reads it.
 
 A quantized weight W [out, in] is stored as
   `weight_packed` int32 [out, in / 8]: eight 4-bit values per word, value j at bits 4j..4j+3,
                   each stored as q + 8 (q in [-8, 7]);
-  `weight_scale`  bf16 [out, in / group];
-  `weight_shape`  int32 [2], the unpacked shape;
+  `weight_scale`  float (bf16 here) [out, in / group];
+  `weight_shape`  int32 or int64 [2], the unpacked shape;
 and W = q * scale broadcast over its group.
 
 Our quantizer picks scales with at most 4 significant bits: every product q * scale then has at
 most 7, so it is exact in bf16, and this engine, transformers and the training-time fake
-quantization all see bit-identical weights, in any float dtype.
+quantization all see bit-identical weights, in fp32 and bf16.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 import torch
 
 SUFFIXES = ("_packed", "_scale", "_shape")  # appended to a weight's name ("...proj.weight_packed")
-Q_MAX = 7  # |q| <= 7: the format's -8 is left unused, as a symmetric quantizer does
+Q_MAX = 7  # our quantizer writes |q| <= 7; other writers also use -8, which reading takes
 SCALE_BITS = 4  # significant bits of a scale (see above)
 MIN_SCALE = 2.0 ** -100  # an all-zero group keeps a normal scale
 
@@ -64,9 +64,12 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """Inverse of `pack`: int8 [out, in]."""
     out_f, in_f = shape
-    if packed.dtype != torch.int32 or tuple(packed.shape) != (out_f, in_f // 8) or in_f % 8:
+    if in_f % 8:
+        raise ValueError(f"int4 weight {tuple(shape)}: its columns must be a multiple of 8")
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (out_f, in_f // 8):
         raise ValueError(f"int4 weight {tuple(shape)} needs packed int32 [{out_f}, {in_f // 8}], "
                          f"got {packed.dtype} {tuple(packed.shape)}")
+    packed = packed.contiguous()  # the byte view below reads the words' memory in order
     if sys.byteorder != "little":  # the words' nibbles, in order, by shifts
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
         return (((packed[..., None] >> shifts) & 0xF) - 8).flatten(1).to(torch.int8)
@@ -82,6 +85,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, dtype: torch.dt
     q = unpack(packed, (out_f, in_f))
     if scale.ndim != 2 or scale.shape[0] != out_f or scale.shape[1] == 0 or in_f % scale.shape[1]:
         raise ValueError(f"int4 weight {(out_f, in_f)} needs a scale per row and group, got {tuple(scale.shape)}")
+    if not scale.is_floating_point():
+        raise ValueError(f"int4 scales must be floating point, got {scale.dtype}")
     scale = scale.float()
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("int4 scales must be finite and positive")
@@ -106,21 +111,31 @@ def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
 
 def config_group_size(config: dict) -> int | None:
     """The group size of a compressed-tensors int4 checkpoint from its config.json; None if the
-    checkpoint is not one; ValueError for a compressed-tensors scheme this engine does not read."""
+    checkpoint is not one; ValueError for a compressed-tensors scheme this engine does not read
+    (anything beyond weight-only symmetric int4 groups would change what the weights mean)."""
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") != "compressed-tensors":
         return None
-    groups = list((quant.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise ValueError("compressed-tensors: only one config group (int4 weights) is supported")
-    weights = groups[0].get("weights") or {}
-    fmt = groups[0].get("format") or quant.get("format")
-    if not (fmt == "pack-quantized" and weights.get("num_bits") == 4 and weights.get("type") == "int"
-            and weights.get("symmetric") and weights.get("strategy") == "group"
-            and groups[0].get("input_activations") is None):
-        raise ValueError(f"compressed-tensors: only symmetric int4 group weights (W4A16, pack-quantized) "
-                         f"are supported, got {groups[0]!r}")
+    groups = quant.get("config_groups")
+    if not (isinstance(groups, dict) and len(groups) == 1 and isinstance(next(iter(groups.values())), dict)):
+        raise ValueError("compressed-tensors: only one config group, spelled out as a scheme (int4 weights), "
+                         f"is supported, got {groups!r}")
+    for key in ("transform_config", "kv_cache_scheme", "sparsity_config"):
+        if quant.get(key):  # rotations, quantized KV or sparse weights: not weight-only int4
+            raise ValueError(f"compressed-tensors: {key} is not supported")
+    if quant.get("quantization_status", "compressed") != "compressed":
+        raise ValueError(f"compressed-tensors: only compressed checkpoints load, not "
+                         f"{quant.get('quantization_status')!r} ones")
+    scheme = next(iter(groups.values()))
+    weights = scheme.get("weights") or {}
     size = weights.get("group_size")
+    fmt = scheme.get("format") or quant.get("format")
+    if not (fmt == "pack-quantized" and weights.get("num_bits") == 4 and weights.get("type", "int") == "int"
+            and weights.get("symmetric", True) and weights.get("strategy", "group") == "group"
+            and not weights.get("dynamic") and scheme.get("input_activations") is None
+            and scheme.get("output_activations") is None):
+        raise ValueError(f"compressed-tensors: only symmetric int4 group weights (W4A16, pack-quantized) "
+                         f"are supported, got {scheme!r}")
     if not (type(size) is int and size > 0):
         raise ValueError(f"compressed-tensors: bad group_size {size!r}")
     return size

@@ -61,7 +61,7 @@ class CheckpointReader:
         return list(self._file_of)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if name not in self._file_of and name + "_packed" in self._file_of:
+        if name + "_packed" in self._file_of:
             return self._get_int4(name, shape, dtype)
         if name not in self._file_of:
             raise ModelFormatError(f"missing tensor {name!r} in {self.model_dir}")
@@ -93,7 +93,12 @@ class CheckpointReader:
         for part in ("_scale", "_shape"):
             if name + part not in self._file_of:
                 raise ModelFormatError(f"int4 tensor {name!r} has no {name + part!r}")
-        stored_shape = tuple(int(n) for n in self._tensor(name + "_shape").tolist())
+        if name in self._file_of:
+            raise ModelFormatError(f"tensor {name!r} is stored both plain and as int4")
+        stored = self._tensor(name + "_shape")
+        if stored.shape != (2,) or stored.is_floating_point():
+            raise ModelFormatError(f"tensor {name!r}: {name + '_shape'!r} must hold two integers, got {stored.tolist()!r}")
+        stored_shape = tuple(int(n) for n in stored.tolist())
         if stored_shape != tuple(shape):
             raise ModelFormatError(f"tensor {name!r} has shape {stored_shape}, expected {tuple(shape)}")
         scale = self._tensor(name + "_scale")

@@ -116,6 +116,19 @@ def test_dequantize_refuses_bad_scales_and_packing():
         int4.dequantize(packed.to(torch.int64), scale, (8, 64))
 
 
+def test_a_strided_packed_view_reads_as_its_values():
+    q, scale = int4.quantize(_weights((8, 64), seed=4), GROUP)
+    wide = torch.cat([int4.pack(q), int4.pack(q)], dim=0).t().contiguous().t()  # [16, 8], column-major
+    assert not wide.is_contiguous()
+    assert torch.equal(int4.unpack(wide[:8], (8, 64)), q)
+
+
+def test_integer_scales_are_refused():
+    q, scale = int4.quantize(_weights((8, 64)), GROUP)
+    with pytest.raises(ValueError, match="floating point"):
+        int4.dequantize(int4.pack(q), scale.to(torch.int32), (8, 64))
+
+
 @torch.enable_grad()
 def test_fake_quantize_rounds_forward_and_passes_gradients_straight_through():
     w = _weights((16, 64)).requires_grad_()
@@ -138,12 +151,35 @@ def test_group_size_comes_from_the_compressed_tensors_config():
 
 @pytest.mark.parametrize("change", [
     {"num_bits": 8}, {"symmetric": False}, {"strategy": "channel"}, {"type": "float"}, {"group_size": 0},
+    {"dynamic": True},
 ])
 def test_other_compressed_tensors_schemes_are_refused(change):
     quant = int4.quantization_config(32, [])
     quant["config_groups"]["group_0"]["weights"].update(change)
     with pytest.raises(ValueError, match="compressed-tensors"):
         int4.config_group_size({"quantization_config": quant})
+
+
+@pytest.mark.parametrize("change", [
+    {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},  # rotated weights
+    {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+    {"quantization_status": "frozen"},  # plain weights that transformers would round in each forward
+    {"config_groups": {"W4A16": ["Linear"]}},  # a preset's name, not a spelled-out scheme
+    {"config_groups": [{"weights": {}}]},
+    {"config_groups": {"group_0": None}},
+    {"config_groups": {}},
+])
+def test_compressed_tensors_configs_beyond_weight_only_int4_are_refused(change):
+    quant = {**int4.quantization_config(32, []), **change}
+    with pytest.raises(ValueError, match="compressed-tensors"):
+        int4.config_group_size({"quantization_config": quant})
+
+
+def test_a_scheme_leaving_symmetric_and_strategy_to_their_defaults_is_read():
+    quant = int4.quantization_config(128, [])
+    for key in ("symmetric", "strategy", "type"):
+        del quant["config_groups"]["group_0"]["weights"][key]
+    assert int4.config_group_size({"quantization_config": quant}) == 128
 
 
 # --- training through int4 and the export ---------------------------------------------------------
@@ -305,6 +341,14 @@ NAME = "model.layers.0.self_attn.q_proj.weight"
     (lambda t, f: t.update({NAME + "_shape": torch.tensor([64, 32], dtype=torch.int32)}), "shape"),
     (lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"][:, :2].contiguous()}), "groups"),
     (lambda t, f: t.update({NAME + "_g_idx": torch.zeros(64, dtype=torch.int32)}), "activation order"),
+    (lambda t, f: t.update({NAME + "_shape": torch.tensor(64, dtype=torch.int32)}), "two integers"),
+    (lambda t, f: t.update({NAME + "_shape": torch.tensor([[64, 64]], dtype=torch.int32)}), "two integers"),
+    (lambda t, f: t.update({NAME + "_shape": torch.tensor([64.0, 64.0])}), "two integers"),
+    (lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"].to(torch.int32)}), "floating point"),
+    (lambda t, f: t.update({NAME + "_scale": torch.zeros_like(t[NAME + "_scale"])}), "positive"),
+    (lambda t, f: t.update({NAME + "_scale": -t[NAME + "_scale"]}), "positive"),
+    (lambda t, f: t.update({NAME + "_packed": t[NAME + "_packed"].to(torch.int64)}), "packed int32"),
+    (lambda t, f: t.update({NAME: torch.zeros(64, 64, dtype=torch.bfloat16)}), "both plain and as int4"),
     (lambda t, f: (f / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((f / "config.json").read_text()).items() if k != "quantization_config"})),
      "no compressed-tensors"),
@@ -329,3 +373,43 @@ def test_training_step_through_int4_moves_the_weights():
         loss.backward()
     opt.step()
     assert torch.isfinite(loss) and not torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+
+
+def test_a_checkpoint_compressed_by_compressed_tensors_reads_as_its_decompression(tmp_path):
+    """Weights written by compressed-tensors' own compressor (group 128, bf16 scales, an int64
+    shape, -8 among the values) read back as the library decompresses them."""
+    from safetensors.torch import save_file
+
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from engine.weights import CheckpointReader
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+    w = row_scaled_weights((256, 512), seed=5).to(torch.bfloat16)
+    # The library's symmetric scales: amax / 7.5, so the largest values round to -8.
+    amax = w.float().unflatten(1, (-1, 128)).abs().amax(2)
+    scale = (amax / 7.5).to(torch.bfloat16)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8)}
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressed = PackedQuantizationCompressor.compress(dict(state), scheme=scheme)
+    expected = PackedQuantizationCompressor.decompress(dict(compressed), scheme=scheme)["weight"]
+    assert int4.unpack(compressed["weight_packed"], (256, 512)).min() == -8
+    save_file({f"x.{k}": v.contiguous() for k, v in compressed.items()}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path, int4_group=128)
+    # The library forms q * scale in bf16; asked for bf16 the reader gives the same, and in fp32
+    # it keeps the products exact (this scale has all 8 bits, so some products round in bf16).
+    assert torch.equal(reader.get("x.weight", (256, 512), torch.bfloat16), expected)
+    got = reader.get("x.weight", (256, 512), torch.float32)
+    assert torch.equal(got.to(torch.bfloat16), expected) and not torch.equal(got, expected.float())
+
+
+def test_training_refuses_two_formats_and_a_bad_group():
+    from engine.train.train import parse_args
+
+    base = ["--model-dir", "m", "--out", "o", "--device", "cpu"]
+    for bad in (["--fp8-block", "64", "--int4-group", "32"], ["--int4-group", "12"], ["--int4-group", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)
+    assert parse_args(base + ["--int4-group", "32"]).int4_group == 32
