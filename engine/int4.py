@@ -79,6 +79,11 @@ def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).flatten(1) - 8
 
 
+def _scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [out, in] times its group's scale [out, in / group], in fp32 (exact for our scales)."""
+    return (q.float().unflatten(1, (scale.shape[1], -1)) * scale.float()[..., None]).flatten(1)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [out, in] from the stored tensors."""
     out_f, in_f = (int(n) for n in shape)
@@ -90,8 +95,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, dtype: torch.dt
     scale = scale.float()
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("int4 scales must be finite and positive")
-    group = in_f // scale.shape[1]
-    return (q.float().unflatten(1, (-1, group)) * scale[..., None]).flatten(1).to(dtype)
+    return _scaled(q, scale).to(dtype)
 
 
 def store(name: str, w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
@@ -105,7 +109,7 @@ def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
     """Training: W rounded through int4 (from its bf16 value, as `quantize`) in the forward pass,
     gradients straight through to W, which keeps its full precision."""
     q, scale = quantize(w, group)
-    rounded = (q.float().unflatten(1, (-1, group)) * scale[..., None]).flatten(1).to(w.dtype)
+    rounded = _scaled(q, scale).to(w.dtype)
     return w + (rounded - w).detach()
 
 

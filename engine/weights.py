@@ -102,7 +102,7 @@ class CheckpointReader:
         if stored_shape != tuple(shape):
             raise ModelFormatError(f"tensor {name!r} has shape {stored_shape}, expected {tuple(shape)}")
         scale = self._tensor(name + "_scale")
-        if len(shape) != 2 or scale.ndim != 2 or scale.shape[1] * self.int4_group != shape[1]:
+        if scale.ndim != 2 or scale.shape[1] * self.int4_group != shape[1]:
             raise ModelFormatError(f"tensor {name!r}: int4 scales {tuple(scale.shape)} do not give groups of "
                                    f"{self.int4_group} over {tuple(shape)}")
         try:

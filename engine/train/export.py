@@ -24,12 +24,31 @@ from .config import CONFIG, write_configs
 from .grow import expert_count, expert_width
 
 
+def _is_projection(name: str, t) -> bool:
+    """q/k/v/o and the experts' gate/up/down: what the quantized formats store quantized."""
+    return t.ndim == 2 and name.endswith("_proj.weight")
+
+
+def router_names(config: dict) -> list[str]:
+    """The routers, Linear modules both formats leave in bf16 (their choices are brittle)."""
+    return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+
+
+def quant_flags_error(fp8_block: int | None, int4_group: int | None) -> str | None:
+    """What is wrong with --fp8-block / --int4-group given together (train and export take both)."""
+    if fp8_block and int4_group:
+        return "--fp8-block and --int4-group are two formats: give one"
+    if int4_group is not None and (int4_group <= 0 or int4_group % 8):
+        return "--int4-group must be a positive multiple of 8"
+    return None
+
+
 def fp8_weights(weights: dict, block: int) -> dict:
     """The projections (q/k/v/o, experts' gate/up/down) as FP8 + scales; embedding, router and
     norms stay bf16 (they are small, and the router's choices are brittle)."""
     out = {}
     for name, t in weights.items():
-        if t.ndim == 2 and name.endswith("_proj.weight"):
+        if _is_projection(name, t):
             out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
         else:
             out[name] = t
@@ -40,19 +59,19 @@ def int4_weights(weights: dict, group: int) -> dict:
     """The projections as int4 (engine/int4.py); embedding, router and norms stay bf16."""
     out = {}
     for name, t in weights.items():
-        out.update(int4.store(name, t, group) if t.ndim == 2 and name.endswith("_proj.weight") else {name: t})
+        out.update(int4.store(name, t, group) if _is_projection(name, t) else {name: t})
     return out
 
 
 def int4_ignore(config: dict) -> list[str]:
     """The Linear modules left unquantized: the tied head and the routers."""
-    return ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+    return ["lm_head"] + router_names(config)
 
 
 def fp8_quantization_config(config: dict, block: int) -> dict:
     # Modules left in bf16 are named, as Qwen's FP8 configs do, so a loader that would swap in
     # FP8 layers (transformers on a GPU) leaves them alone.
-    keep = ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+    keep = ["lm_head", "model.embed_tokens"] + router_names(config)
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
             "modules_to_not_convert": keep}
 
@@ -98,10 +117,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.fp8_block is not None and args.fp8_block <= 0:
         ap.error("--fp8-block must be a positive number of rows and columns")
-    if args.fp8_block and args.int4_group:
-        ap.error("--fp8-block and --int4-group are two formats: give one")
-    if args.int4_group is not None and (args.int4_group <= 0 or args.int4_group % 8):
-        ap.error("--int4-group must be a positive multiple of 8")
+    if error := quant_flags_error(args.fp8_block, args.int4_group):
+        ap.error(error)
     path = export(args.ckpt, args.model_dir, args.fp8_block, args.int4_group)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from . import checkpoint
 from .config import load_config
 from .data import CHUNK_CHARS, PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
+from .export import quant_flags_error
 from .model import Qwen3MoeLM
 from .grow import add_experts, copy_sources, expert_count, expert_width, router_loads, widen_experts
 
@@ -71,10 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="torch.compile the training step (auto: on a GPU)")
     args = ap.parse_args(argv)
-    if args.fp8_block and args.int4_group:
-        ap.error("--fp8-block and --int4-group are two formats: give one")
-    if args.int4_group is not None and (args.int4_group <= 0 or args.int4_group % 8):
-        ap.error("--int4-group must be a positive multiple of 8")
+    if error := quant_flags_error(args.fp8_block, args.int4_group):
+        ap.error(error)
     if not 0.0 <= args.final_lr_frac <= 1.0:
         ap.error("--final-lr-frac must be within [0, 1]")
     on_gpu = args.device.startswith("cuda")
