@@ -25,6 +25,7 @@ from .config import Settings, merge_settings
 from .context import Budget, build_context
 from .engine_link import EngineLink
 from .postprocess import postprocess
+from .protocol import WdProtocol
 from .shape import decide_shape
 from .suggestions import SuggestionMemory
 from .workspace import Workspace
@@ -39,7 +40,7 @@ WARM_DELAY_S = 0.03  # let a burst of keystrokes settle before warming
 
 class WdLanguageServer(LanguageServer):
     def __init__(self):
-        super().__init__("wd-lsp", __version__)
+        super().__init__("wd-lsp", __version__, protocol_cls=WdProtocol)
         self.settings = Settings()
         self.docs = Workspace()
         self.memory = SuggestionMemory()
