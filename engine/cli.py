@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import stat
 import sys
 import time
+from pathlib import Path
 
 from engine.models import default_model_dir
 
@@ -141,22 +144,27 @@ def set_moe_path(model, path: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
-    from pathlib import Path
 
     from engine import paths
+
+    try:
+        log = _setup_logging(args)
+    except (OSError, paths.UnsafeRuntimeDir, paths.UnsafeLogFile) as exc:
+        print(f"wd-engine: cannot log: {exc}", file=sys.stderr)
+        return 1
+    try:  # before the model loads: a bad token file is a quick error, not one after a long load
+        token = _tcp_token(args, log) if args.tcp_port is not None else None
+        http = _http_options(args, log) if args.http_port is not None else None
+    except (TokenFileError, paths.UnsafeRuntimeDir, OSError) as exc:
+        log.error("%s", exc)
+        print(f"wd-engine: {exc}", file=sys.stderr)
+        return 1
+    # torch only now: a daemon refused above exits without the seconds its import takes
     from engine.loader import load_model
     from engine.scheduler import Engine
-    from engine.server import EngineServer, ServeOptions, new_token
+    from engine.server import EngineServer, ServeOptions
     from engine.tokenizer import Tokenizer
 
-    log_file = Path(args.log_file) if args.log_file else paths.log_path()
-    handlers = [logging.FileHandler(log_file)]
-    if args.foreground:
-        handlers.append(logging.StreamHandler())
-    logging.basicConfig(level=logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    log = logging.getLogger("wd_engine")
     model_dir = Path(args.model) if args.model else default_model_dir()
     name = f"random {args.random_shape}" if args.random_shape else model_dir.name
     try:
@@ -177,21 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     salt = f"random:{args.random_shape}:{args.random_seed}" if args.random_shape else str(model_dir.resolve())
     engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
-                    kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device), prefill_chunk=args.prefill_chunk,
+                    kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device),
+                    prefill_chunk=args.prefill_chunk,
                     salt=f"{salt}:{model.dtype}", prefix_cache=not args.no_prefix_cache,
                     speculative=not args.no_speculative)
-    token = None
-    if args.tcp_port is not None:
-        token = os.environ.get("WD_ENGINE_TOKEN") or (Path(args.token_file).read_text().strip() if args.token_file else None)
-        if not token:
-            token = new_token()
-            token_file = paths.runtime_dir() / "engine.token"
-            token_file.touch(mode=0o600)
-            token_file.write_text(token)
-            log.info("tcp token written to %s", token_file)
-        if args.tcp_host not in ("127.0.0.1", "::1", "localhost"):
-            log.warning("tcp listener on %s is reachable beyond this machine", args.tcp_host)
-    http = _http_options(args, log) if args.http_port is not None else None
     idle_timeout = args.idle_timeout
     if idle_timeout is None:  # an HTTP server is started on purpose: it stays until stopped
         idle_timeout = float("inf") if http else 900.0
@@ -209,25 +206,187 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _http_options(args: argparse.Namespace, log):
-    """The OpenAI-compatible listener's address and bearer token (file, env, or a new one
-    written owner-only into the runtime directory)."""
-    from pathlib import Path
+def _setup_logging(args: argparse.Namespace):
+    """The daemon's log: created 0600 (in a 0700 dir by default), never written through a link."""
+    import logging
 
     from engine import paths
-    from engine.openai_http import HttpOptions
-    from engine.server import new_token
 
-    token = (Path(args.http_token_file).read_text().strip() if args.http_token_file
+    stream = paths.open_private_log(Path(args.log_file) if args.log_file else paths.log_path(), "a")
+    handlers = [logging.StreamHandler(stream)]
+    if args.foreground:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    return logging.getLogger("wd_engine")
+
+
+def _tcp_token(args: argparse.Namespace, log) -> str:
+    """The TCP listener's token: $WD_ENGINE_TOKEN, the --token-file, or the runtime dir's."""
+    token = os.environ.get("WD_ENGINE_TOKEN")
+    if not token and args.token_file:
+        token = read_token_file(Path(args.token_file))
+    if not token:
+        token = _runtime_token("engine.token", "tcp token", log)
+    if args.tcp_host not in LOOPBACK:
+        log.warning("tcp listener on %s is reachable beyond this machine", args.tcp_host)
+    return token
+
+
+def _http_options(args: argparse.Namespace, log):
+    """The OpenAI-compatible listener's address and bearer token (file, env, or the one kept
+    owner-only in the runtime directory)."""
+    token = (read_token_file(Path(args.http_token_file)) if args.http_token_file
              else os.environ.get("WD_ENGINE_HTTP_TOKEN"))
     if not token:
-        token = new_token()
-        token_file = paths.runtime_dir() / "http.token"
-        token_file.touch(mode=0o600)
-        token_file.chmod(0o600)
-        token_file.write_text(token)
-        log.info("http bearer token written to %s", token_file)
+        token = _runtime_token("http.token", "http bearer token", log)
+    from engine.openai_http import HttpOptions  # torch, through engine.scheduler: once the token is settled
+
     return HttpOptions(host=args.http_host, port=args.http_port, token=token)
+
+
+def _runtime_token(name: str, what: str, log) -> str:
+    from engine import paths
+
+    path = paths.runtime_dir() / name
+    token, written = runtime_token(path)
+    log.info("%s %s %s", what, "written to" if written else "read from", path)
+    return token
+
+
+# -- token files ------------------------------------------------------------------------------------
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+TOKEN_MAX_BYTES = 4096
+
+
+class TokenFileError(RuntimeError):
+    """A token file that is unsafe or unfit to use; the message names its path."""
+
+
+def read_token_file(path: Path) -> str:
+    """The token in a file the user named. Refused, as ssh refuses a private key, when group or
+    others have any access to it: on a shared machine they could use or replace the token. Links
+    are followed (the path is the user's choice); pipes work (`--token-file <(pass show x)`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the token file {path}: {exc.strerror}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if mode & 0o077:
+            raise TokenFileError(f"the token file {path} is open to other users "
+                                 f"(mode {stat.S_IMODE(mode):04o}); make it owner-only: chmod 600 {path}")
+        token = _token_text(_read_at_most(fd, TOKEN_MAX_BYTES + 1))
+    except OSError as exc:  # a directory, an I/O error
+        raise TokenFileError(f"cannot read the token file {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if token is None:
+        raise TokenFileError(f"the token file {path} holds no token (empty, not UTF-8, "
+                             f"or over {TOKEN_MAX_BYTES} bytes)")
+    return token
+
+
+def runtime_token(path: Path) -> tuple[str, bool]:
+    """The token kept at `path` in the private runtime dir, and whether it was written now.
+
+    An earlier run's token is reused when its file is ours, owner-only and holds one, so that
+    clients configured with it keep working after the daemon restarts (delete the file for a new
+    one). A file open to others is replaced by a new token, atomically. A symbolic link, or a
+    file that is not a regular file of ours, is refused: nothing is written through a link.
+    """
+    try:
+        token = _own_token(path)
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        _create_token_file(path, token)
+        return token, True
+    if token is not None:
+        return token, False
+    token = secrets.token_urlsafe(32)
+    _replace_token_file(path, token)
+    return token, True
+
+
+def _own_token(path: Path) -> str | None:
+    """The token in our private file at `path`; None when the file is ours but not fit to reuse.
+    Raises FileNotFoundError when nothing is there, TokenFileError when something foreign is."""
+    try:  # O_NONBLOCK: a FIFO planted there can't stall the start (no effect on a regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if os.path.islink(path):
+            raise TokenFileError(f"{path} is a symbolic link; remove it (a token is never written "
+                                 f"through a link)") from exc
+        raise TokenFileError(f"cannot open the token file {path}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TokenFileError(f"{path} is not a regular file; remove it")
+        if info.st_uid != os.geteuid():
+            raise TokenFileError(f"{path} belongs to uid {info.st_uid}, not to this user; remove it")
+        if info.st_mode & 0o077 or info.st_nlink != 1:
+            return None  # others may have read it, or it is reachable under another name
+        return _token_text(_read_at_most(fd, TOKEN_MAX_BYTES + 1))
+    finally:
+        os.close(fd)
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _token_text(data: bytes) -> str | None:
+    if len(data) > TOKEN_MAX_BYTES:
+        return None
+    try:
+        return data.decode("utf-8").strip() or None
+    except UnicodeDecodeError:
+        return None
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _create_token_file(path: Path, token: str) -> None:
+    try:
+        fd = os.open(path, _NEW_FILE, 0o600)
+    except FileExistsError as exc:
+        raise TokenFileError(f"{path} appeared while this engine was creating it; start again") from exc
+    try:
+        _write_token(fd, token)
+    except BaseException:
+        path.unlink(missing_ok=True)  # ours: O_EXCL created it
+        raise
+
+
+def _replace_token_file(path: Path, token: str) -> None:
+    """Write a new file beside `path`, then rename it over: readers never see a partial token,
+    and a link planted at `path` meanwhile is replaced, not followed."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(temporary, _NEW_FILE, 0o600)
+    try:
+        _write_token(fd, token)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _write_token(fd: int, token: str) -> None:
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+        f.write(token.encode("utf-8"))
+        f.flush()
+        os.fsync(fd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--socket", help="Unix socket path (default: under $XDG_RUNTIME_DIR/wd-lsp)")
     serve.add_argument("--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token")
     serve.add_argument("--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)")
-    serve.add_argument("--token-file", help="file holding the TCP token (default: $WD_ENGINE_TOKEN or a new one)")
+    serve.add_argument("--token-file", help="owner-only file holding the TCP token "
+                       "(default: $WD_ENGINE_TOKEN, or the one kept in engine.token in the runtime dir)")
     idle = os.environ.get("WD_ENGINE_IDLE_TIMEOUT")
     serve.add_argument("--idle-timeout", type=float, default=float(idle) if idle else None,
                        help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT; "
@@ -268,8 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int,
                        help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port (0: any)")
     serve.add_argument("--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)")
-    serve.add_argument("--http-token-file", help="file holding the HTTP bearer token "
-                       "(default: $WD_ENGINE_HTTP_TOKEN, or a new one written to http.token in the runtime dir)")
+    serve.add_argument("--http-token-file", help="owner-only file holding the HTTP bearer token "
+                       "(default: $WD_ENGINE_HTTP_TOKEN, or the one kept in http.token in the runtime dir)")
     serve.add_argument("--kv-memory-mb", type=int,
                        help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

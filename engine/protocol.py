@@ -8,7 +8,9 @@ Engine -> client, for that id:
     {"id": id, "delta": str}                      streamed text of a `complete`, zero or more
     {"id": id, "error": {"code": str, "message": str}}
 The first request on a connection must be `hello` with {"version": PROTOCOL_VERSION} (and
-{"token": ...} on TCP); anything else first is refused and the connection closed.
+{"token": ...} on TCP), within a few seconds of connecting; anything else first is refused and
+the connection closed. Every error carries one of the codes below, never to be inferred from its
+message.
 """
 
 from __future__ import annotations
@@ -32,9 +34,22 @@ BAD_REQUEST = "bad_request"
 UNKNOWN_METHOD = "unknown_method"
 UNAUTHORIZED = "unauthorized"
 VERSION_MISMATCH = "version_mismatch"
-POOL_FULL = "pool_full"
+POOL_FULL = "pool_full"  # the KV pool can never hold the request
 ENGINE_ERROR = "engine_error"
 SHUTTING_DOWN = "shutting_down"
+CONTEXT_EXCEEDED = "context_exceeded"  # the prompt (with max_tokens) does not fit the model's context
+TOO_MANY_REQUESTS = "too_many_requests"  # the connection already has its cap of requests open
+SLOW_READER = "slow_reader"  # the stream was cancelled: its connection left too much output unread
+
+PATH_MAX_CHARS = 4096  # a file path longer than any file system takes is not a path
+
+
+class RequestError(ValueError):
+    """A request refused with one of the codes above; `str()` is the message for the client."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class FrameError(ValueError):
@@ -123,8 +138,9 @@ class CompletionParams:
             value = getattr(p, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
                 raise ValueError(f"'{name}' must be a number in [{lo}, {hi}]")
-        if p.top_p == 0.0:
-            raise ValueError("'top_p' must be above 0")
+        if _as_float32(p.top_p) == 0.0:  # sampling runs in float32, where such a top_p keeps no token
+            raise ValueError(f"'top_p' must be at least {FLOAT32_TINIEST:.1e}, float32's smallest positive "
+                             f"value (sampling computes in float32); {p.top_p!r} is 0 there")
         if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
             raise ValueError("'seed' must be an integer in [0, 2**63)")
         if not isinstance(p.stop, (list, tuple)) or not all(isinstance(s, str) for s in p.stop) or len(p.stop) > 16:
@@ -133,6 +149,8 @@ class CompletionParams:
             isinstance(c, dict) and isinstance(c.get("path"), str) and isinstance(c.get("text"), str) for c in p.chunks
         ):
             raise ValueError("'chunks' must be a list of {path, text} maps")
+        if any(len(path) > PATH_MAX_CHARS for path in [p.path or "", *(c["path"] for c in p.chunks)]):
+            raise ValueError(f"a 'path' must be at most {PATH_MAX_CHARS} characters")
         if p.deadline_ms is not None and (not isinstance(p.deadline_ms, (int, float)) or p.deadline_ms < 0):
             raise ValueError("'deadline_ms' must be a non-negative number")
         if not isinstance(p.beams, int) or isinstance(p.beams, bool) or not 1 <= p.beams <= MAX_BEAMS:
@@ -141,3 +159,10 @@ class CompletionParams:
             raise ValueError("'fim_order' must be auto, psm or spm")
         p.stop, p.chunks = tuple(p.stop), tuple(p.chunks)
         return p
+
+
+FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal)
+
+
+def _as_float32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]

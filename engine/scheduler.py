@@ -15,8 +15,15 @@ A lone greedy sequence on the CPU decodes speculatively (`speculative`): a promp
 greedy decoding would have produced go out one by one through the usual output path; K/V
 written for rejected draft tokens lie past `computed` and are never read.
 
+Fairness: requests that share an `owner` (a connection) take turns with other owners. Waiting
+requests are admitted fewest-in-service owner first, and an owner holds at most
+`owner_block_share` of the KV pool (one request may take more if it is the owner's only one), so
+that one client's queue cannot fill the pool; prefill chunks go round-robin across owners and a
+decode batch too full for everyone takes each owner's oldest requests first. Interactive
+completions still come before warm-ups everywhere, and preempt them for blocks.
+
 Requests finish with an event; text arrives as delta events. Events are delivered through the
-request's callback, from the engine thread.
+request's callback, from the engine thread; an error event carries an `engine.protocol` code.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,7 +45,7 @@ from engine.kv_pool import KVPool, PagedBatch
 from engine.model import LONE_MAX_ROWS, Qwen3MoeModel
 from engine.output import OutputAssembler
 from engine.prompt_lookup import draft, writable_prefix
-from engine.protocol import MAX_BEAMS
+from engine.protocol import BAD_REQUEST, CONTEXT_EXCEEDED, ENGINE_ERROR, MAX_BEAMS, POOL_FULL
 from engine.sampling import GREEDY_BELOW, forbid, sample
 from engine.token_healing import Forcing, forcing_for
 from engine.sequence import BlockTable
@@ -46,8 +54,21 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class PoolFull(RuntimeError):
+class RequestRefused(RuntimeError):
+    """A request the engine can never run; `code` is the protocol error code its event carries."""
+
+    code = ENGINE_ERROR
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class PoolFull(RequestRefused):
     """A request that can never fit in the KV pool."""
+
+    code = POOL_FULL
 
 
 @dataclass
@@ -61,6 +82,7 @@ class Request:
     stop_at_eos: bool = True
     warm_only: bool = False  # prefill and keep the blocks cached; no output
     client: str | None = None  # a newer request of the same client supersedes older ones
+    owner: str | None = None  # who the engine shares fairly with others (a connection); None: itself
     deadline_s: float | None = None  # seconds after submission; then it ends with what it has
     return_logits: bool = False  # the first sampled position's logits in the final event
     forced_text: str = ""  # the first tokens must write this, and it is not released (token healing)
@@ -77,6 +99,7 @@ class Event:
     usage: dict | None = None
     error: str | None = None
     logits: torch.Tensor | None = None
+    code: str | None = None  # an error's engine.protocol code
 
 
 @dataclass
@@ -104,6 +127,11 @@ class _Active:
     def decoding(self) -> bool:
         return self.computed >= len(self.request.prompt_ids)
 
+    @property
+    def owner(self) -> str:
+        """The fairness key: requests without an owner each count as their own."""
+        return self.request.owner if self.request.owner is not None else f"request:{self.request.id}"
+
 
 @dataclass
 class _BeamState:
@@ -123,6 +151,7 @@ class Engine:
         kv_memory_bytes: int = 256 << 20,
         prefill_chunk: int | None = None,
         max_batch: int = 32,
+        owner_block_share: float = 0.25,
         salt: str = "",
         prefix_cache: bool = True,
         cuda_graphs: bool = True,
@@ -147,6 +176,9 @@ class Engine:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, kv_fp8
         )
         self.allocator = BlockAllocator(num_blocks, block_size, salt=salt)
+        # Blocks one owner may hold: with a quarter, three clients that queue all they can still
+        # leave room for a fourth.
+        self.owner_block_limit = max(1, int(num_blocks * owner_block_share))
         self.prefix_cache = prefix_cache  # off: every prompt is computed cold (for comparisons)
         # Prompt-lookup drafts for a lone greedy sequence, where the lean CPU path applies.
         self.speculative = speculative
@@ -169,6 +201,8 @@ class Engine:
         self._inbox: list[_Active] = []
         self._cancels: list[tuple[str, str]] = []
         self._order = itertools.count()
+        self._turns = itertools.count()
+        self._prefill_turns: dict[str, int] = {}  # owner -> when it last had a prefill chunk
         self.waiting: list[_Active] = []
         self.running: list[_Active] = []
         self.counters = dict(requests=0, completed=0, cancelled=0, failed=0, prompt_tokens=0, cache_hit_tokens=0,
@@ -252,7 +286,7 @@ class Engine:
         prefill = self._next_prefill()
         if prefill is not None:
             self._guarded([prefill], self._prefill_chunk, prefill)
-        decoding = [a for a in self.running if a.decoding][: self.max_batch]
+        decoding = self._decode_batch()
         if decoding:
             self._guarded(decoding, self._decode_step, decoding)
 
@@ -295,33 +329,52 @@ class Engine:
                 self._finish(a, a.cancel_reason)
 
     def _admit(self) -> None:
-        # Completions before warm-ups, then first come first served.
-        self.waiting.sort(key=lambda a: (a.request.warm_only, a.order))
-        for a in list(self.waiting):
+        held = Counter()  # owner -> KV blocks its running requests took
+        for a in self.running:
+            held[a.owner] += self._blocks(a)
+        for a in self._admission_order():
             try:
-                admitted = self._try_admit(a)
+                admitted = self._try_admit(a, held[a.owner])
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
-                if not isinstance(exc, PoolFull):
+                if not isinstance(exc, RequestRefused):
                     log.exception("request %s could not be admitted", a.request.id)
                 self.waiting.remove(a)
                 if a.table is not None:
                     a.table.free()
                     a.table = None
-                self._emit(a, Event(a.request.id, "error", error=str(exc)))
+                code = getattr(exc, "code", ENGINE_ERROR)
+                self._emit(a, Event(a.request.id, "error", error=str(exc), code=code))
                 self.counters["failed"] += 1
                 continue
             if admitted:
                 self.waiting.remove(a)
                 self.running.append(a)
+                held[a.owner] += self._blocks(a)
 
-    def _try_admit(self, a: _Active) -> bool:
+    def _admission_order(self) -> list[_Active]:
+        """Completions before warm-ups; then round-robin across owners (an owner's n-th request in
+        service, running or waiting, goes after every other owner's (n-1)-th); then arrival."""
+        in_service = Counter(a.owner for a in self.running)
+        queued: Counter = Counter()
+        ranked = []
+        for a in sorted(self.waiting, key=lambda a: a.order):
+            kind = (a.owner, a.request.warm_only)
+            ranked.append(((a.request.warm_only, in_service[a.owner] + queued[kind], a.order), a))
+            queued[kind] += 1
+        return [a for _, a in sorted(ranked, key=lambda pair: pair[0])]
+
+    def _blocks(self, a: _Active) -> int:
+        return -(-a.room // self.block_size)
+
+    def _try_admit(self, a: _Active, owner_blocks: int = 0) -> bool:
         req, bs = a.request, self.block_size
         prompt = req.prompt_ids
         if not prompt:
-            raise PoolFull("empty prompt")
+            raise RequestRefused("empty prompt", BAD_REQUEST)
         limit = self.model.config.max_position_embeddings
         if len(prompt) >= limit:
-            raise PoolFull(f"prompt has {len(prompt)} tokens; the model's context is {limit}")
+            raise RequestRefused(f"prompt has {len(prompt)} tokens; the model's context is {limit}, "
+                                 "which must also hold a new token", CONTEXT_EXCEEDED)
         # Room for the tokens that write the forced text (at most one per byte) on top of the budget.
         forced = 0 if req.warm_only else min(len(req.forced_text.encode()), limit - len(prompt))
         budget = 0 if req.warm_only else max(min(req.max_tokens, limit - len(prompt) - forced), 0)
@@ -331,6 +384,8 @@ class Engine:
             raise PoolFull(
                 f"request needs {needed} KV blocks ({total} tokens) but the pool has {self.allocator.num_blocks}"
             )
+        if owner_blocks and owner_blocks + needed > self.owner_block_limit:
+            return False  # its owner holds its share of the pool: wait until one of its requests ends
         if not req.warm_only:  # built before any block is taken, so a bad seed leaks nothing
             a.output = OutputAssembler(self.tokenizer, budget, req.stop, req.stop_at_eos,
                                        skip_text=req.forced_text)
@@ -372,8 +427,32 @@ class Engine:
             self._finish(a, "preempted")
 
     def _next_prefill(self) -> _Active | None:
+        """Completions before warm-ups; among them, round-robin across owners: the owner whose
+        last chunk is longest ago (or never was) goes next, its oldest request first."""
         pending = [a for a in self.running if not a.decoding]
-        return min(pending, key=lambda a: (a.request.warm_only, a.order), default=None)
+        if not pending:
+            return None
+        turns = self._prefill_turns
+        chosen = min(pending, key=lambda a: (a.request.warm_only, turns.get(a.owner, -1), a.order))
+        turns[chosen.owner] = next(self._turns)
+        if len(turns) > 4 * len(self.running) + 64:  # forget owners that have nothing running
+            live = {a.owner for a in self.running}
+            self._prefill_turns = {owner: t for owner, t in turns.items() if owner in live}
+        return chosen
+
+    def _decode_batch(self) -> list[_Active]:
+        """The sequences of this decode step: all of them when they fit in `max_batch`, else each
+        owner's oldest first (its n-th after every other owner's (n-1)-th), so that one client's
+        many requests cannot keep another's out of the batch."""
+        decoding = [a for a in self.running if a.decoding]
+        if len(decoding) <= self.max_batch:
+            return decoding
+        seen: Counter = Counter()
+        ranked = []
+        for a in sorted(decoding, key=lambda a: a.order):
+            ranked.append(((seen[a.owner], a.order), a))
+            seen[a.owner] += 1
+        return [a for _, a in sorted(ranked, key=lambda pair: pair[0])[: self.max_batch]]
 
     # -- model work -----------------------------------------------------------------------------
     def _prefill_chunk(self, a: _Active) -> None:
@@ -558,7 +637,7 @@ class Engine:
     def _fail(self, a: _Active, message: str) -> None:
         self._release(a)
         self.counters["failed"] += 1
-        self._emit(a, Event(a.request.id, "error", error=message))
+        self._emit(a, Event(a.request.id, "error", error=message, code=ENGINE_ERROR))
 
     def _release(self, a: _Active) -> None:
         if a in self.waiting:

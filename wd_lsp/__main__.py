@@ -25,16 +25,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wd-lsp {__version__}")
         return 0
     handlers = [logging.FileHandler(args.log_file)] if args.log_file else [logging.StreamHandler(sys.stderr)]
-    logging.basicConfig(level=logging.INFO, handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message at INFO
     from wd_lsp.server import server  # after logging is set up
+    from wd_lsp.transport import serve_stdio, serve_tcp
 
-    if args.tcp:
-        host, _, port = args.tcp.rpartition(":")
-        server.start_tcp(host or "127.0.0.1", int(port))
-    else:
-        server.start_io()
-    return 0
+    try:
+        if args.tcp:
+            host, _, port = args.tcp.rpartition(":")
+            if not port.isdigit():
+                parser.error("--tcp takes HOST:PORT (port 0: any free one, logged)")
+            return serve_tcp(server, host or "127.0.0.1", int(port))
+        # The exit code is the protocol's: 0 after `shutdown` + `exit`, 1 when `exit` came alone.
+        return serve_stdio(server)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

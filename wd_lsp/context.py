@@ -9,6 +9,9 @@ Extra chunks come from other open documents (and far parts of this one): definit
 names used near the cursor, outlines of open files this one imports, and recently edited
 regions. They are chosen by relevance but emitted in stable-first order (`ContextChunk.kind`
 order: import, definition, recent_edit), because a prompt's early part should change least.
+
+Every string of a context is valid Unicode, ready to be encoded as UTF-8 for the engine: a lone
+surrogate in a document (legal in JSON, kept in the document's text) is U+FFFD here.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ CHUNK_KINDS = ("import", "definition", "recent_edit")  # stable first
 # estimated count may fill (code runs as dense as ~3 characters a token, against the 3.5 assumed).
 PROMPT_MARKER_TOKENS = 8
 ESTIMATE_MARGIN = 0.8
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,14 @@ class CompletionContext:
     tree: Any = field(default=None, repr=False, compare=False)
 
 
+def encodable(s: str) -> str:
+    """`s` with each lone surrogate replaced by U+FFFD, so that it encodes as UTF-8. One code
+    point for one: lengths and offsets measured on the document's text still hold."""
+    if s.isascii():
+        return s
+    return _SURROGATE.sub("\ufffd", s)
+
+
 def estimate_counter(chars_per_token: float) -> TokenCounter:
     return lambda s: math.ceil(len(s) / chars_per_token)
 
@@ -130,12 +142,12 @@ def build_context(
     text = doc.text
     line = doc.line_at(offset)
     line_start, line_end = doc.line_start(line), doc.line_end(line)
-    line_prefix, line_suffix = text[line_start:offset], text[offset:line_end]
+    line_prefix, line_suffix = encodable(text[line_start:offset]), encodable(text[offset:line_end])
 
     tree = doc.tree
     prefix_start, prefix_line = trim_prefix(doc, offset, budget.prefix_tokens, count, tree)
     suffix_end, suffix_line = trim_suffix(doc, offset, budget.suffix_tokens, count, tree)
-    prefix, suffix = text[prefix_start:offset], text[offset:suffix_end]
+    prefix, suffix = encodable(text[prefix_start:offset]), encodable(text[offset:suffix_end])
 
     others = [d for d in open_documents if d is not doc]
     if recent_edits is None:
@@ -145,7 +157,7 @@ def build_context(
     )
     return CompletionContext(
         uri=doc.uri,
-        path=display_path(doc.path, root),
+        path=encodable(display_path(doc.path, root)),
         language=doc.language.name,
         position=doc.position_at(offset),
         position_clamped=resolved.clamped,
@@ -157,7 +169,9 @@ def build_context(
         line_suffix=line_suffix,
         mid_line=bool(line_suffix.strip()),
         indent=leading_ws(line_prefix + line_suffix),
-        indent_unit=detect_indent_unit(text[:INDENT_SAMPLE_CHARS], "\t" if doc.language.name == "go" else "    "),
+        indent_unit=detect_indent_unit(
+            text[:INDENT_SAMPLE_CHARS], "\t" if doc.language.name == "go" else "    "
+        ),
         prefix_start_line=prefix_line,
         suffix_end_line=suffix_line,
         prefix_truncated=prefix_start > 0,
@@ -356,7 +370,7 @@ def select_chunks(
         left -= cost
         if kind != "import":
             taken.setdefault(d.uri, []).append((a, b))
-        picked.append(ContextChunk(kind, d.uri, display_path(d.path, root), text, a))
+        picked.append(ContextChunk(kind, d.uri, encodable(display_path(d.path, root)), encodable(text), a))
         return True
 
     if doc.decline_reason is None:
@@ -364,7 +378,8 @@ def select_chunks(
         cur_line = doc.line_at(offset)
         by_name: dict[str, list[tuple[Document, symbols.Definition]]] = {}
         own = symbols.definitions_outside(doc, *window)
-        for d, defs in [(doc, own)] + [(o, symbols.definitions(o)) for o in others if o.decline_reason is None]:
+        searched = [(o, symbols.definitions(o)) for o in others if o.decline_reason is None]
+        for d, defs in [(doc, own)] + searched:
             for definition in defs:
                 by_name.setdefault(definition.name, []).append((d, definition))
         names = names_near(doc, offset, budget.names_lines_before, budget.names_lines_after)

@@ -1,7 +1,9 @@
 """One open document: its text, LSP positions, incremental edits and a tree-sitter tree.
 
 Offsets in this module are Python string indices (code points) unless named `*_byte`;
+LSP positions count columns in the document's position encoding (`wd_lsp.text`);
 tree-sitter works on the UTF-8 bytes of the text and counts rows by "\\n" only.
+The text is exactly what the client sent, lone surrogates included.
 Nothing here raises on bad input from the client: positions are clamped and reported.
 """
 
@@ -13,7 +15,16 @@ from typing import Any, NamedTuple, Protocol
 from urllib.parse import unquote, urlparse
 
 from .languages import Language, detect_language, get_parser
-from .text import line_of, line_starts, update_line_starts, utf16_len, utf16_to_index
+from .text import (
+    ENCODINGS,
+    UTF16,
+    encode_utf8 as encode,
+    line_of,
+    line_starts,
+    units_len,
+    units_to_index,
+    update_line_starts,
+)
 
 DEFAULT_MAX_BYTES = 2 * 1024 * 1024
 # How much of the text to look at for binary content: enough to be sure, cheap on every edit.
@@ -22,7 +33,7 @@ RECENT_EDITS_KEPT = 16
 
 
 class Position(NamedTuple):
-    """An LSP position: zero-based line and UTF-16 column."""
+    """An LSP position: zero-based line and column in the negotiated position encoding."""
 
     line: int
     character: int
@@ -62,8 +73,12 @@ class Document:
         version: int = 0,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        encoding: str = UTF16,
     ) -> None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"unknown position encoding {encoding!r}")
         self.uri = uri
+        self.encoding = encoding  # units of every position's `character`, in and out
         self.path = uri_to_path(uri)
         self.language_id = language_id
         self.language: Language = detect_language(language_id, self.path)
@@ -72,6 +87,7 @@ class Document:
         # Lines touched by recent edits (most recent last), shifted as lines come and go.
         self.recent_edit_lines: deque[int] = deque(maxlen=RECENT_EDITS_KEPT)
         self.clamped_positions = 0  # count of client positions that had to be clamped
+        self.last_change: AppliedChange | None = None
         self._set_text(text)
 
     # ---- text and state -------------------------------------------------------------
@@ -105,6 +121,7 @@ class Document:
     def _set_text(self, text: str) -> None:
         self._text = text
         self._bytes = encode(text)
+        self._byte_anchor = (0, 0)  # a (code point, byte) offset pair known to match
         self._starts = line_starts(text)
         self._tree: Any = None
         self._tree_stale = True
@@ -142,7 +159,7 @@ class Document:
         if line >= len(self._starts):
             return self._clamped(len(self._text))
         start = self._starts[line]
-        index, exact = utf16_to_index(self._text[start : self.line_end(line)], character)
+        index, exact = units_to_index(self._text[start : self.line_end(line)], character, self.encoding)
         if not exact:
             return self._clamped(start + index)
         return ResolvedPosition(start + index, False)
@@ -161,13 +178,25 @@ class Document:
         start = self._starts[line]
         # An offset between "\r" and "\n" belongs to the line end; report the line's end.
         offset = min(offset, self.line_end(line))
-        return Position(line, utf16_len(self._text[start:offset]))
+        return Position(line, units_len(self._text[start:offset], self.encoding))
 
     def byte_offset(self, offset: int) -> int:
-        """UTF-8 byte offset of a code point offset."""
+        """UTF-8 byte offset of a code point offset.
+
+        Only the text between `offset` and the nearest point whose byte offset is known (the
+        start, the end, the end of the last edit: typing stays near it) is encoded.
+        """
         if self._bytes_ascii:
             return offset
-        return len(encode(self._text[:offset]))
+        anchor, anchor_byte = self._byte_anchor
+        to_end = len(self._text) - offset
+        if offset <= min(abs(offset - anchor), to_end):
+            return len(encode(self._text[:offset]))
+        if to_end <= abs(offset - anchor):
+            return len(self._bytes) - len(encode(self._text[offset:]))
+        if offset >= anchor:
+            return anchor_byte + len(encode(self._text[anchor:offset]))
+        return anchor_byte - len(encode(self._text[offset:anchor]))
 
     @property
     def _bytes_ascii(self) -> bool:
@@ -202,25 +231,28 @@ class Document:
         if start is None or end is None:
             old_len = len(self._text)
             self.replace_all(text)
-            return AppliedChange(0, old_len, len(text), False)
+            self.last_change = AppliedChange(0, old_len, len(text), False)
+            return self.last_change
         a, b = self.resolve(start), self.resolve(end)
         lo, hi = min(a.offset, b.offset), max(a.offset, b.offset)
-        change = AppliedChange(lo, hi, lo + len(text), a.clamped or b.clamped)
         self._splice(lo, hi, text)
-        return change
+        self.last_change = AppliedChange(lo, hi, lo + len(text), a.clamped or b.clamped)
+        return self.last_change
 
     def _splice(self, lo: int, hi: int, inserted: str) -> None:
         old_text, old_bytes = self._text, self._bytes
         old_lines = len(self._starts)
-        start_byte = lo if self._bytes_ascii else len(encode(old_text[:lo]))
+        start_byte = self.byte_offset(lo)
         old_end_byte = start_byte + len(encode(old_text[lo:hi]))
         inserted_bytes = encode(inserted)
         new_end_byte = start_byte + len(inserted_bytes)
 
-        new_text = old_text[:lo] + inserted + old_text[hi:]
-        new_bytes = old_bytes[:start_byte] + inserted_bytes + old_bytes[old_end_byte:]
+        # join copies each piece once; `+` would build a large intermediate string too
+        new_text = "".join((old_text[:lo], inserted, old_text[hi:]))
+        new_bytes = b"".join((old_bytes[:start_byte], inserted_bytes, old_bytes[old_end_byte:]))
         self._starts = update_line_starts(self._starts, new_text, lo, hi, len(inserted))
         self._text, self._bytes = new_text, new_bytes
+        self._byte_anchor = (lo + len(inserted), new_end_byte)
         self._decline = _UNKNOWN
         self._generation += 1
 
@@ -272,11 +304,6 @@ class Document:
 
 
 _UNKNOWN = object()
-
-
-def encode(text: str) -> bytes:
-    # surrogatepass: a lone surrogate (legal in JSON) must not make us crash.
-    return text.encode("utf-8", "surrogatepass")
 
 
 def point_in(data: bytes, byte: int) -> tuple[int, int]:

@@ -1,16 +1,28 @@
 """The server's side of the engine: connect (spawning the daemon if needed), complete with early
 stop, warm, restart, and a state the status bar can show. A dead engine costs one logged error
-and empty completions; the next request reconnects, which respawns it."""
+and empty completions; the next request reconnects, which respawns it.
+
+Every wait on the engine is bounded, so a stopped, hung or still-loading engine gives empty
+completions and one logged reason, never a stalled editor: connecting (which may spawn the
+engine and load its model) runs as one background task that callers wait for at most a request
+timeout; a completion has its guard; a cancel is sent and not waited for; stats have a bound.
+After a failed spawn (something foreign at the socket path included) or an engine that stopped
+answering, reconnecting waits a backoff that doubles up to a cap, while requests are answered at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.client import CompletionStream, EngineClient, EngineError, EngineUnavailable, SpawnConfig
+from engine.client import (
+    CompletionStream, EngineClient, EngineError, EngineStarting, EngineTimeout, EngineUnavailable,
+    SpawnConfig, SpawnFailed,
+)
 from engine.protocol import BAD_REQUEST
 
 from .config import Settings
@@ -20,7 +32,10 @@ from .shape import StopRules, apply_stop_rules
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 0.3
-CLIENT_GRACE_S = 2.0  # beyond the request's own deadline, before the server gives up on the engine
+CLIENT_GRACE_S = 0.5  # beyond the request's own deadline (the engine keeps it), before giving up on it
+STATS_TIMEOUT_S = 1.0  # wdLsp.status asks for the engine's stats: a stopped engine must not stall it
+RESTART_WAIT_S = 30.0  # wdLsp.restartEngine waits this long for the new engine; it goes on loading after
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # before connecting again after a failed spawn or a silent engine
 
 
 @dataclass
@@ -39,17 +54,25 @@ class EngineLink:
         self.settings: Settings | None = None
         self.state = "idle"
         self.model_info: dict | None = None
-        self._error_logged = False
+        self._error_logged = False  # this failure has been told: quiet until the engine is back
+        self._last_error: str | None = None
+        self._starting_logged = False
+        self._timeout_logged = False
         self._restart_task: asyncio.Task | None = None
+        self._connect_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # cancels on their way to the engine
+        self._progress_message: str | None = None
+        self._backoff_s = 0.0
+        self._retry_at = 0.0  # no new connect (nor spawn) before this, in time.monotonic()
         self._beams_refused = False  # the connected engine predates beam search
 
     def configure(self, settings: Settings) -> None:
         """New settings; a changed engine address or model takes effect at the next connect."""
         old = self.settings
         self.settings = settings
-        if old is not None and (old.engine != settings.engine or old.model != settings.model) and self.client:
-            self.client.disconnect()
-            self.client = None
+        if old is not None and (old.engine != settings.engine or old.model != settings.model):
+            self.disconnect()
+            self._reset_backoff()  # new settings: a new chance at once
 
     def _make_client(self) -> EngineClient:
         s = self.settings
@@ -57,23 +80,85 @@ class EngineLink:
             host, _, port = s.engine.tcp.rpartition(":")
             return EngineClient(tcp=(host, int(port)), token=s.engine.token)
         spawn = SpawnConfig(model=s.model) if s.engine.auto_start else None
-        return EngineClient(socket_path=s.engine.socket, spawn=spawn, on_progress=self.on_progress)
+        return EngineClient(socket_path=s.engine.socket, spawn=spawn, on_progress=self._progress)
 
-    async def ensure_connected(self) -> EngineClient:
+    def _progress(self, message: str) -> None:
+        """Spawn progress (from the spawning thread): shown, and kept as the reason a completion
+        that cannot wait for the engine is empty."""
+        self._progress_message = message
+        self.on_progress(message)
+
+    async def ensure_connected(self, wait_s: float | None = None) -> EngineClient:
+        """The connected client. Connecting (and spawning, and loading the model) is one task
+        shared by all callers, which wait for it at most `wait_s` (default: the request timeout)
+        and then get EngineStarting while the engine goes on starting; a later call finds it."""
+        client = self.client
+        if client is not None and client.connected:
+            return client
+        task = self._connect_task
+        if task is None or task.done():
+            self._check_backoff()
+            task = self._connect_task = asyncio.ensure_future(self._connect())
+            task.add_done_callback(_consume_outcome)
+        wait = self.settings.request_timeout_ms / 1000 if wait_s is None else wait_s
+        try:
+            async with asyncio.timeout(wait):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            raise self._still_starting(wait) from None
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():
+                raise EngineUnavailable("the connection attempt was replaced") from None
+            raise
+
+    async def _connect(self) -> EngineClient:
         if self.client is None:
             self.client = self._make_client()
-        if not self.client.connected:
+        client = self.client
+        self._progress_message = None
+        if not self._error_logged:  # a retry during a failure stays quiet
             self._set_state("starting", "connecting to the engine")
-            try:
-                info = await self.client.connect()
-            except (EngineUnavailable, EngineError, OSError) as exc:
+        try:
+            info = await client.connect()
+        except EngineUnavailable as exc:
+            if client is self.client:
                 self._report_failure(exc)
-                raise EngineUnavailable(str(exc)) from exc
-            self.model_info = info.get("model")
-            self._error_logged = False
-            self._beams_refused = False
-            self._set_state("ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}")
-        return self.client
+            raise
+        except (EngineError, OSError) as exc:  # refused hello (version, token), a socket error
+            if client is self.client:
+                self._report_failure(exc)
+            raise EngineUnavailable(str(exc)) from exc
+        if client is not self.client:  # restarted or reconfigured meanwhile
+            client.disconnect()
+            raise EngineUnavailable("the engine settings changed while connecting")
+        self.model_info = info.get("model")
+        self._error_logged = self._starting_logged = self._timeout_logged = False
+        self._last_error = None
+        self._beams_refused = False
+        self._reset_backoff()
+        self._set_state("ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}")
+        return client
+
+    def _still_starting(self, waited_s: float) -> EngineStarting:
+        """The engine is not up yet: this request is answered empty, said once per start."""
+        # "loading the model (12 s)" is said once: without a count that is stale by then
+        reason = re.sub(r" \(\d+ s\)$", "", self._progress_message or "the engine is starting")
+        if not self._starting_logged:
+            self._starting_logged = True
+            self._set_state("starting", f"{reason}; completions are empty until it is ready")
+        return EngineStarting(f"{reason} (waited {waited_s:.1f} s)")
+
+    def _check_backoff(self) -> None:
+        remaining = self._retry_at - time.monotonic()
+        if remaining > 0:
+            raise EngineUnavailable(f"{self._last_error}; not trying again for {remaining:.0f} s")
+
+    def _back_off(self) -> None:
+        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s) if self._backoff_s else BACKOFF_FIRST_S
+        self._retry_at = time.monotonic() + self._backoff_s
+
+    def _reset_backoff(self) -> None:
+        self._backoff_s, self._retry_at = 0.0, 0.0
 
     async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
         """Stream a completion, stopping the engine as soon as a stop rule fires."""
@@ -100,13 +185,14 @@ class EngineLink:
     async def _complete(self, params: dict, rules: StopRules) -> EngineAnswer:
         s = self.settings
         client = await self.ensure_connected()
+        guard_s = s.request_timeout_ms / 1000 + CLIENT_GRACE_S
         started = time.monotonic()
         first_token_ms = None
         text, stopped = "", False
         stream: CompletionStream | None = None
         try:
             # The engine enforces the deadline itself; this bound covers an engine that hangs.
-            async with asyncio.timeout(s.request_timeout_ms / 1000 + CLIENT_GRACE_S):
+            async with asyncio.timeout(guard_s):
                 stream = await client.complete(params)
                 async for delta in stream:
                     if first_token_ms is None:
@@ -115,68 +201,104 @@ class EngineLink:
                     kept, stopped = apply_stop_rules(text, rules)
                     if stopped:
                         text = kept
-                        await stream.cancel()
+                        self._cancel_soon(stream)
                         break
         except asyncio.CancelledError:
             if stream is not None:
-                await asyncio.shield(stream.cancel())
+                self._cancel_soon(stream)
             raise
         except TimeoutError as exc:
             if stream is not None:
-                await asyncio.shield(stream.cancel())
-            log.error("the engine did not answer within %.1f s", s.request_timeout_ms / 1000 + CLIENT_GRACE_S)
-            raise EngineError("timeout", "the engine did not answer in time") from exc
+                self._cancel_soon(stream)
+            raise self._timed_out(guard_s) from exc
         except EngineUnavailable as exc:
             self._report_failure(exc)
             raise
+        if self._timeout_logged:
+            self._timeout_logged = False
+            self._set_state("ready", "the engine answers again")
         return EngineAnswer(text, stopped, stream.result, first_token_ms)
+
+    def _cancel_soon(self, stream: CompletionStream) -> None:
+        """Tell the engine to stop, without waiting for it: a stopped engine never acknowledges,
+        and the cancel bounds its own wait."""
+        task = asyncio.ensure_future(stream.cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _timed_out(self, guard_s: float) -> EngineTimeout:
+        """A connected engine that did not answer (stopped, hung): said once until it answers."""
+        message = f"the engine did not answer within {guard_s:.1f} s (stopped or hung?)"
+        if not self._timeout_logged:
+            self._timeout_logged = True
+            log.error("%s; completions are empty until it answers", message)
+            self._set_state("error", f"{message}; completions are empty until it answers")
+        return EngineTimeout(message)
 
     async def warm(self, ctx: CompletionContext, key: str) -> None:
         client = await self.ensure_connected()
-        await client.warm(dict(prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
-                               chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
-                               client=key))
+        async with asyncio.timeout(self.settings.request_timeout_ms / 1000):
+            await client.warm(dict(prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
+                                   chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
+                                   client=key))
 
     async def stats(self) -> dict:
-        if self.client is None or not self.client.connected:
+        """The engine's counters, or EngineTimeout after STATS_TIMEOUT_S."""
+        client = self.client
+        if client is None or not client.connected:
             return {}
-        return await self.client.request("stats")
+        try:
+            async with asyncio.timeout(STATS_TIMEOUT_S):
+                return await client.request("stats")
+        except TimeoutError as exc:
+            raise EngineTimeout(f"the engine did not answer within {STATS_TIMEOUT_S:.1f} s") from exc
 
     async def restart(self) -> None:
         """Stop the engine (it drains) and connect again, which starts a fresh one. An engine
         this server cannot start again (TCP, or autoStart off) is shared: only reconnect."""
         can_spawn = not self.settings.engine.tcp and self.settings.engine.auto_start
-        if can_spawn and self.client is not None and self.client.connected:
+        client = self.client
+        if can_spawn and client is not None and client.connected:
             try:
-                await self.client.request("shutdown")
+                await client.request("shutdown", timeout=STATS_TIMEOUT_S)
             except (EngineUnavailable, EngineError):
                 pass
-            await self.client.close()
+            await client.close()
             await asyncio.sleep(0.2)
-        elif self.client is not None:
-            self.client.disconnect()
-        self.client = None
-        await self.ensure_connected()
+        self.disconnect()
+        self._reset_backoff()  # asked for: try at once
+        await self.ensure_connected(wait_s=RESTART_WAIT_S)
 
     def disconnect(self) -> None:
+        """Drop the connection and any connecting in progress (a spawn already under way goes
+        on in its thread: its engine serves the next connect)."""
+        task, self._connect_task = self._connect_task, None
+        if task is not None and not task.done():
+            task.cancel()
         if self.client is not None:
             self.client.disconnect()
             self.client = None
 
     def _report_failure(self, exc: Exception) -> None:
-        if not self._error_logged:
+        """Drop the connection, say why once per failure (a new reason is said too), and retry
+        soon; after a failed spawn or an engine that does not answer, only after a backoff."""
+        if isinstance(exc, (SpawnFailed, EngineTimeout)):
+            self._back_off()
+        if not self._error_logged or str(exc) != self._last_error:
             log.error("engine unavailable: %s (completions are empty until it is back)", exc)
             self._error_logged = True
+            self._last_error = str(exc)
+            self._set_state("error", f"engine unavailable: {exc}")
+        self._starting_logged = False
         if self.client is not None:
             self.client.disconnect()
             self.client = None
-        self._set_state("error", f"engine unavailable: {exc}")
         if self._restart_task is None or self._restart_task.done():
             self._restart_task = asyncio.ensure_future(self._restart_soon())
 
     async def _restart_soon(self) -> None:
         """Bring a dead engine back without waiting for the next keystroke (once per failure)."""
-        await asyncio.sleep(RESTART_DELAY_S)
+        await asyncio.sleep(max(RESTART_DELAY_S, self._retry_at - time.monotonic()))
         try:
             await self.ensure_connected()
         except (EngineUnavailable, EngineError, OSError):
@@ -185,3 +307,9 @@ class EngineLink:
     def _set_state(self, state: str, message: str) -> None:
         self.state = state
         self.on_state(state, message)
+
+
+def _consume_outcome(task: asyncio.Task) -> None:
+    """A connect nobody waited for to the end: its failure was reported, not to be raised again."""
+    if not task.cancelled():
+        task.exception()

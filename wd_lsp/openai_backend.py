@@ -26,7 +26,7 @@ from engine.client import EngineUnavailable
 
 from .config import Settings
 from .context import CompletionContext
-from .engine_link import EngineAnswer
+from .engine_link import CLIENT_GRACE_S, EngineAnswer
 from .shape import StopRules, apply_stop_rules
 
 log = logging.getLogger(__name__)
@@ -153,10 +153,12 @@ class OpenAIBackend:
         started = time.monotonic()
         first_token_ms = None
         text, stopped, usage = "", False, None
+        guard_s = s.request_timeout_ms / 1000 + CLIENT_GRACE_S
         try:
             # Leaving this block closes the response, also on cancellation: the server sees
-            # the connection go and stops generating.
-            async with http.stream("POST", "/completions", json=body) as response:
+            # the connection go and stops generating. httpx bounds each read; this bounds the
+            # whole answer, as the engine's deadline does.
+            async with asyncio.timeout(guard_s), http.stream("POST", "/completions", json=body) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _raise_for_status(response)
@@ -175,6 +177,11 @@ class OpenAIBackend:
                         break
         except ContextTooLong:
             raise  # complete() asks again, or counts it
+        except TimeoutError as exc:
+            self.counters["errors"] += 1
+            failure = EngineUnavailable(f"the server did not finish an answer within {guard_s:.1f} s")
+            self._report_failure(http, failure)
+            raise failure from exc
         except (httpx.HTTPError, ValueError, EngineUnavailable) as exc:
             self.counters["errors"] += 1
             self._report_failure(http, exc)

@@ -10,12 +10,14 @@ the few new tokens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
 from collections import deque
 
 from lsprotocol import types as T
+from pygls.capabilities import ServerCapabilitiesBuilder
 from pygls.lsp.server import LanguageServer
 
 from engine.client import EngineError, EngineUnavailable
@@ -28,12 +30,14 @@ from .postprocess import postprocess
 from .protocol import WdProtocol
 from .shape import decide_shape
 from .suggestions import SuggestionMemory
+from .text import units_len
 from .workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 CMD_STATUS = "wdLsp.status"
 CMD_RESTART = "wdLsp.restartEngine"
+CMD_DOCUMENT_STATE = "wdLsp.documentState"
 STATUS_NOTIFICATION = "wdLsp/status"
 WARM_DELAY_S = 0.03  # let a burst of keystrokes settle before warming
 
@@ -239,7 +243,12 @@ server = WdLanguageServer()
 @server.feature(T.INITIALIZE)
 def on_initialize(ls: WdLanguageServer, params: T.InitializeParams):
     ls._loop = asyncio.get_event_loop()
-    ls.settings = merge_settings(ls.settings, params.initialization_options, warn=lambda m: ls.log(m, T.MessageType.Warning))
+    # pygls advertises this choice (the client's first offer among utf-8/16/32, else utf-16) in the
+    # initialize result; every document counts its positions in it.
+    chosen = ServerCapabilitiesBuilder.choose_position_encoding(params.capabilities)
+    ls.docs.encoding = str(getattr(chosen, "value", chosen))
+    ls.settings = merge_settings(ls.settings, params.initialization_options,
+                                 warn=lambda m: ls.log(m, T.MessageType.Warning))
     root = params.root_uri or (params.workspace_folders[0].uri if params.workspace_folders else None)
     if root:
         from .document import uri_to_path
@@ -277,20 +286,19 @@ def on_open(ls: WdLanguageServer, params: T.DidOpenTextDocumentParams):
 
 @server.feature(T.TEXT_DOCUMENT_DID_CHANGE)
 def on_change(ls: WdLanguageServer, params: T.DidChangeTextDocumentParams):
-    uri = params.text_document.uri
+    uri, version = params.text_document.uri, params.text_document.version
     doc = None
     for change in params.content_changes:
         if isinstance(change, T.TextDocumentContentChangePartial):
-            doc = ls.docs.change(uri, change.text, change.range.start, change.range.end, params.text_document.version)
+            doc = ls.docs.change(uri, change.text, change.range.start, change.range.end, version)
         else:
-            doc = ls.docs.change(uri, change.text, version=params.text_document.version)
+            doc = ls.docs.change(uri, change.text, version=version)
     if doc is None:
         return
     last = params.content_changes[-1] if params.content_changes else None
-    if isinstance(last, T.TextDocumentContentChangePartial):
+    if isinstance(last, T.TextDocumentContentChangePartial) and doc.last_change is not None:
         # The cursor is (almost always) right after the inserted text.
-        cursor = doc.resolve(last.range.start).offset + len(last.text)
-        ls.schedule_warm(uri, cursor)
+        ls.schedule_warm(uri, doc.last_change.new_end)
 
 
 @server.feature(T.TEXT_DOCUMENT_DID_CLOSE)
@@ -356,7 +364,34 @@ async def cmd_restart(ls: WdLanguageServer, *args):
     return {"ok": True, "engine": ls.engine.state}
 
 
+@server.command(CMD_DOCUMENT_STATE)
+async def cmd_document_state(ls: WdLanguageServer, *args):
+    """The server's view of an open document, to compare with the editor's. Arguments: the uri,
+    then optionally `true` to include the text. `length` is in the negotiated encoding's units;
+    `sha256` is of the text's UTF-8 (a lone surrogate as its three-byte WTF-8 form)."""
+    uri = args[0] if args and isinstance(args[0], str) else None
+    doc = ls.docs.get(uri) if uri is not None else None
+    if doc is None:
+        return {"uri": uri, "open": False}
+    state = dict(
+        uri=uri, open=True, version=doc.version, encoding=doc.encoding, lineCount=doc.line_count,
+        length=units_len(doc.text, doc.encoding), sha256=hashlib.sha256(doc.source_bytes).hexdigest(),
+    )
+    if len(args) > 1 and args[1] is True:
+        state["text"] = doc.text
+    return state
+
+
 @server.feature(T.SHUTDOWN)
 def on_shutdown(ls: WdLanguageServer, *args):
+    # pygls cancels pending requests; a speculative warm is no request, and it would reconnect.
+    for task in ls.warming.values():
+        task.cancel()
     # Only drop our connection: the daemon stays resident for other editors until its idle timeout.
+    ls.engine.disconnect()
+
+
+@server.feature(T.EXIT)
+def on_exit(ls: WdLanguageServer, *args):
+    # `exit` may come without `shutdown`: drop the engine connection either way (a no-op if gone).
     ls.engine.disconnect()

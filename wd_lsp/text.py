@@ -1,7 +1,13 @@
-"""Line tables and UTF-16 arithmetic for LSP positions.
+"""Line tables and position-unit arithmetic for LSP positions.
 
-LSP counts `character` in UTF-16 code units and accepts "\\n", "\\r\\n" and "\\r" as line ends.
-Python strings index code points, so a character beyond U+FFFF is one index but two units.
+LSP accepts "\\n", "\\r\\n" and "\\r" as line ends (nothing else: form feed, U+0085 and U+2028 are
+ordinary characters) and counts `character` in the position encoding negotiated at initialize:
+UTF-8 bytes, UTF-16 code units (the default) or UTF-32 code points. Python strings index code
+points, so a character beyond U+FFFF is one index but two UTF-16 units and four UTF-8 bytes.
+
+A lone surrogate (legal in JSON: "\\ud800") is kept as one code point: one UTF-16 unit, as the
+client counts it, one UTF-32 unit, and three UTF-8 bytes (its WTF-8 form, also the length of
+the U+FFFD a UTF-8 client would hold in its place).
 """
 
 from __future__ import annotations
@@ -11,6 +17,14 @@ from bisect import bisect_right
 
 EOL = re.compile(r"\r\n|\r|\n")
 
+UTF8, UTF16, UTF32 = "utf-8", "utf-16", "utf-32"
+ENCODINGS = (UTF8, UTF16, UTF32)
+
+
+def encode_utf8(text: str) -> bytes:
+    # surrogatepass: a lone surrogate (legal in JSON) must not make us crash.
+    return text.encode("utf-8", "surrogatepass")
+
 
 def utf16_len(s: str) -> int:
     """Number of UTF-16 code units in `s`."""
@@ -19,18 +33,34 @@ def utf16_len(s: str) -> int:
     return len(s) + sum(1 for c in s if ord(c) > 0xFFFF)
 
 
-def utf16_to_index(line: str, units: int) -> tuple[int, bool]:
-    """Code point index in `line` for a UTF-16 column; (index, exact).
+def units_len(s: str, encoding: str) -> int:
+    """Length of `s` in the units of a position encoding."""
+    if s.isascii() or encoding == UTF32:
+        return len(s)
+    if encoding == UTF16:
+        return utf16_len(s)
+    return len(encode_utf8(s))
 
-    A column past the end clamps to the end; one in the middle of a surrogate pair rounds
-    down to the start of that character. Both come back with exact=False.
+
+def units_to_index(line: str, units: int, encoding: str) -> tuple[int, bool]:
+    """Code point index in `line` for a column in `encoding`'s units; (index, exact).
+
+    A column past the end clamps to the end; one inside a character (between the halves of a
+    surrogate pair, inside a UTF-8 sequence) rounds down to that character's start. Both come
+    back with exact=False.
     """
     if units < 0:
         return 0, False
-    if line.isascii():
+    if line.isascii() or encoding == UTF32:
         if units > len(line):
             return len(line), False
         return units, True
+    if encoding == UTF16:
+        return utf16_to_index(line, units)
+    return utf8_to_index(line, units)
+
+
+def utf16_to_index(line: str, units: int) -> tuple[int, bool]:
     seen = 0
     for i, c in enumerate(line):
         if seen == units:
@@ -40,6 +70,16 @@ def utf16_to_index(line: str, units: int) -> tuple[int, bool]:
             return i, False
         seen += width
     return len(line), seen == units
+
+
+def utf8_to_index(line: str, units: int) -> tuple[int, bool]:
+    data = encode_utf8(line)
+    if units >= len(data):
+        return len(line), units == len(data)
+    start = units
+    while data[start] & 0xC0 == 0x80:  # a continuation byte: back to its character's lead byte
+        start -= 1
+    return len(data[:start].decode("utf-8", "surrogatepass")), start == units
 
 
 def line_starts(text: str) -> list[int]:

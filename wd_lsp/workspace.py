@@ -1,4 +1,8 @@
-"""The open documents of one editor, and the order in which they were edited."""
+"""The open documents of one editor, and the order in which they were edited.
+
+`encoding` is the position encoding negotiated at initialize; every document opened after it is
+set counts its positions in it.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,23 @@ from collections import deque
 from typing import Iterable
 
 from .document import DEFAULT_MAX_BYTES, Document, PositionLike
+from .text import UTF16
 
 RECENT_EDITS_KEPT = 32
 
 
 class Workspace:
-    def __init__(self, root: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self, root: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, encoding: str = UTF16
+    ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.encoding = encoding
         self._docs: dict[str, Document] = {}
         self._edit_order: deque[str] = deque(maxlen=RECENT_EDITS_KEPT)  # uris, newest last
 
     def open(self, uri: str, text: str, language_id: str = "", version: int = 0) -> Document:
-        doc = Document(uri, text, language_id, version, max_bytes=self.max_bytes)
+        doc = Document(uri, text, language_id, version, max_bytes=self.max_bytes, encoding=self.encoding)
         self._docs[uri] = doc
         return doc
 

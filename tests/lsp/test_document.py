@@ -1,4 +1,5 @@
-"""Document: UTF-16 positions, incremental edits, the incremental tree vs a fresh parse."""
+"""Document: positions (UTF-16, and every encoding in the property tests), incremental edits,
+the incremental tree vs a fresh parse."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -6,18 +7,22 @@ from hypothesis import strategies as st
 
 from wd_lsp.document import Document, Position, looks_binary
 from wd_lsp.languages import get_parser
-from wd_lsp.text import line_starts, utf16_len
+from wd_lsp.text import ENCODINGS, UTF16, line_starts, utf16_len
 
 
 def fresh_sexp(doc: Document) -> str:
     return str(get_parser(doc.language).parse(doc.source_bytes).root_node)
 
 
-def lsp_position(text: str, offset: int) -> Position:
+_CODECS = {"utf-8": ("utf-8", 1), "utf-16": ("utf-16-le", 2), "utf-32": ("utf-32-le", 4)}
+
+
+def lsp_position(text: str, offset: int, encoding: str = UTF16) -> Position:
     """Reference: LSP position of a code point offset, computed the slow, obvious way."""
     starts = line_starts(text)
     line = max(i for i, s in enumerate(starts) if s <= offset)
-    return Position(line, len(text[starts[line] : offset].encode("utf-16-le")) // 2)
+    codec, width = _CODECS[encoding]
+    return Position(line, len(text[starts[line] : offset].encode(codec, "surrogatepass")) // width)
 
 
 # ---- UTF-16 positions ---------------------------------------------------------------------
@@ -111,7 +116,8 @@ def test_recent_edit_lines_shift_with_inserted_lines():
 
 
 _ALPHABET = st.sampled_from(
-    ["\n", "\r\n", " ", "    ", "(", ")", ":", "{", "}", "def ", "x", "=", "1", "'", '"', "😀", "中", "#", "\t", "if "]
+    ["\n", "\r\n", " ", "    ", "(", ")", ":", "{", "}", "def ", "x", "=", "1", "'", '"', "😀", "中", "#",
+     "\t", "if ", "\r", "é", "\f", "\u2028"]
 )
 _SNIPPET = st.lists(_ALPHABET, max_size=8).map("".join)
 
@@ -128,9 +134,9 @@ SEED = "def f(x):\n    return x + 1  # 😀\n\nclass A:\n    y = '中文'\n    d
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edit_sequences(), st.sampled_from(["python", "javascript", "rust"]))
-def test_incremental_tree_matches_fresh_parse(edits, language):
-    doc = Document("file:///t", SEED, language)
+@given(edit_sequences(), st.sampled_from(["python", "javascript", "rust"]), st.sampled_from(ENCODINGS))
+def test_incremental_tree_matches_fresh_parse(edits, language, encoding):
+    doc = Document("file:///t", SEED, language, encoding=encoding)
     assert doc.tree is not None
     text = SEED
     for i, (a, b, inserted) in enumerate(edits):
@@ -140,7 +146,7 @@ def test_incremental_tree_matches_fresh_parse(edits, language):
         if text[hi - 1 : hi + 1] == "\r\n":
             hi -= 1
         hi = max(hi, lo)
-        start, end = lsp_position(text, lo), lsp_position(text, hi)
+        start, end = lsp_position(text, lo, encoding), lsp_position(text, hi, encoding)
         doc.apply_change(inserted, start, end)
         text = text[:lo] + inserted + text[hi:]
         assert doc.text == text
@@ -150,7 +156,8 @@ def test_incremental_tree_matches_fresh_parse(edits, language):
             assert str(doc.tree.root_node) == fresh_sexp(doc)
     assert str(doc.tree.root_node) == fresh_sexp(doc)
     for offset in range(0, len(text) + 1, 7):
-        assert doc.position_at(offset) == lsp_position(text, min(offset, len(text))) or text[offset - 1 : offset + 1] == "\r\n"
+        expected = lsp_position(text, min(offset, len(text)), encoding)
+        assert doc.position_at(offset) == expected or text[offset - 1 : offset + 1] == "\r\n"
 
 
 # ---- binary and huge files -----------------------------------------------------------------
@@ -193,14 +200,17 @@ def test_utf16_len_matches_encoder():
         assert utf16_len(s) == len(s.encode("utf-16-le", "surrogatepass")) // 2
 
 
+_TEXT_PIECES = ["a", " ", "\n", "\r", "\r\n", "😀", "中", "é", "\t", "\f", "\u2028", "\u0085", "\udc00"]
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["a", " ", "\n", "\r", "\r\n", "😀", "中", "é", "\t"]), max_size=40).map("".join))
-def test_positions_round_trip_random_text(text):
-    doc = Document("file:///t.txt", text)
+@given(st.lists(st.sampled_from(_TEXT_PIECES), max_size=40).map("".join), st.sampled_from(ENCODINGS))
+def test_positions_round_trip_random_text(text, encoding):
+    doc = Document("file:///t.txt", text, encoding=encoding)
     for offset in range(len(text) + 1):
         pos = doc.position_at(offset)
         if text[offset - 1 : offset + 1] == "\r\n":
             continue  # inside a line break: not addressable in LSP
-        assert pos == lsp_position(text, offset)
+        assert pos == lsp_position(text, offset, encoding)
         resolved = doc.resolve(pos)
         assert resolved.offset == offset and not resolved.clamped

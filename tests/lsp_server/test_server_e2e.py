@@ -57,6 +57,7 @@ async def lsp(tmp_path):
         capabilities=CAPS, initialization_options={"debounceMs": 0, "maxTokens": 24},
         root_uri="file:///project"))
     client.init_result = result
+    await wait_until_ready(client)
     yield client
     await client.shutdown_session()
     await _stop_engine(env)
@@ -93,6 +94,14 @@ def inline(client, line, character, uri=URI):
 
 async def status(client):
     return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+
+
+async def wait_until_ready(client, limit_s=120.0):
+    """Completions wait for a loading model only up to the request timeout: start once it has loaded."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while (await status(client))["engine"] != "ready":
+        assert asyncio.get_running_loop().time() < deadline, "the engine did not become ready"
+        await asyncio.sleep(0.1)
 
 
 def end_of_text(text):

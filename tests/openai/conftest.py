@@ -60,6 +60,7 @@ def start_engine(model_dir: Path, tmp: Path, *extra: str) -> HttpEngine:
     run = tmp / "run"
     token_file = tmp / "http.token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)  # the engine refuses a token file that others may read
     env = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp / "state"), WD_ENGINE_IDLE_TIMEOUT="30")
     env.pop("WD_ENGINE_HTTP_TOKEN", None)
     port = free_port()

@@ -19,6 +19,7 @@ import time
 from engine.client import CompletionStream
 from wd_lsp.engine_link import EngineLink
 from wd_lsp.server import WdLanguageServer, server
+from wd_lsp.transport import serve_stdio
 
 NOTIFICATION = "wdBench/answer"
 _request: contextvars.ContextVar[dict | None] = contextvars.ContextVar("wd_bench_request", default=None)
@@ -71,8 +72,7 @@ CompletionStream.__anext__ = _probed_next_delta
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    server.start_io()
-    return 0
+    return serve_stdio(server)
 
 
 if __name__ == "__main__":
