@@ -2,7 +2,8 @@
 
 `EngineClient.connect()` reaches the daemon, spawning it first if nobody listens (under a file
 lock, so two editors starting at once start one engine), and reconnects after the daemon dies.
-Completions stream: `async for delta in await client.complete({...})`.
+Completions stream: `async for delta in await client.complete({...})`. Requests connect first
+unless told not to (`reconnect=False`: a caller that connects, and spawns, in one place of its own).
 
 Nothing is sent before the socket is known to be ours: the path must be a socket (not a symbolic
 link) owned by this user, and the peer must run as this user (SO_PEERCRED where the system has
@@ -37,7 +38,8 @@ CONNECT_TIMEOUT_S = 5.0  # reaching a listening engine and its answer to the hel
 WRITE_TIMEOUT_S = 5.0  # an engine that reads nothing for this long is stopped or hung
 CANCEL_WAIT_S = 1.0  # for the engine's acknowledgement of a cancel; the cancel itself is sent
 LOCK_POLL_S = 0.1
-LOCK_HELD_MESSAGE = "engine is starting (another editor holds the spawn lock)"
+# The holder may be another editor or a spawn of this process that is still under way.
+LOCK_HELD_MESSAGE = "the engine is being started (spawn lock held)"
 
 
 class EngineUnavailable(ConnectionError):
@@ -107,8 +109,8 @@ class CompletionStream:
 
     async def cancel(self, wait_s: float = CANCEL_WAIT_S) -> None:
         """Stop the engine's work on this completion; later frames for it are dropped. Takes at
-        most the write bound plus `wait_s` (a stopped engine never acknowledges), and never
-        reconnects: an engine drops the work of a connection that closed."""
+        most `wait_s` (a stopped engine never acknowledges), and never reconnects: an engine
+        drops the work of a connection that closed."""
         if self.result is not None or self._cancelled:
             return
         self._cancelled = True
@@ -284,9 +286,10 @@ class EngineClient:
     # -- requests -------------------------------------------------------------------------------
     async def _send(self, method: str, params: dict) -> tuple[int, asyncio.Queue]:
         """Write one frame. The wait for the socket to take it is bounded: an engine that stopped
-        reading loses the connection (and the frames not yet sent) instead of stalling us."""
+        reading loses the connection (and the frames not yet sent) instead of stalling us. A
+        request that cannot be framed is refused here (EngineError) and the connection stays."""
         request_id = next(self._ids)
-        frame = P.encode_frame({"id": request_id, "method": method, "params": params})
+        frame = _encode_request(request_id, method, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[request_id] = queue
         try:
@@ -309,33 +312,57 @@ class EngineClient:
         return request_id, queue
 
     async def _call(self, method: str, params: dict, timeout: float | None = None) -> dict:
-        request_id, queue = await self._send(method, params)
+        """Send a request and wait for its answer; `timeout` bounds both (EngineTimeout)."""
+        request_id = None
         try:
             async with asyncio.timeout(timeout):
+                request_id, queue = await self._send(method, params)
                 message = await queue.get()
         except TimeoutError as exc:
             raise EngineTimeout(f"the engine did not answer {method!r} within {timeout:.1f} s") from exc
         finally:
-            self._pending.pop(request_id, None)
+            if request_id is not None:
+                self._pending.pop(request_id, None)
         if isinstance(message, BaseException):
             raise message
         if "error" in message:
             raise EngineError(message["error"].get("code", "error"), message["error"].get("message", ""))
         return message.get("result", {})
 
-    async def request(self, method: str, params: dict | None = None, timeout: float | None = None) -> dict:
+    async def request(self, method: str, params: dict | None = None, timeout: float | None = None,
+                      reconnect: bool = True) -> dict:
         """One request/response call (`stats`, `health`, `model_info`, `warm`, `shutdown`...);
-        `timeout` bounds the wait for the answer (EngineTimeout)."""
-        await self.connect()
+        `timeout` bounds sending it and the wait for the answer (EngineTimeout). Without
+        `reconnect`, only on the current connection (EngineUnavailable when there is none)."""
+        await self._ready(reconnect)
         return await self._call(method, params or {}, timeout)
 
-    async def complete(self, params: dict) -> CompletionStream:
-        await self.connect()
+    async def complete(self, params: dict, reconnect: bool = True) -> CompletionStream:
+        await self._ready(reconnect)
         request_id, queue = await self._send("complete", params)
         return CompletionStream(self, request_id, queue)
 
-    async def warm(self, params: dict, timeout: float | None = None) -> dict:
-        return await self.request("warm", params, timeout)
+    async def warm(self, params: dict, timeout: float | None = None, reconnect: bool = True) -> dict:
+        return await self.request("warm", params, timeout, reconnect)
+
+    async def _ready(self, reconnect: bool) -> None:
+        """Connected, connecting (and maybe spawning) first if allowed."""
+        if reconnect:
+            await self.connect()
+        elif not self.connected:
+            raise EngineUnavailable("not connected to the engine")
+
+
+def _encode_request(request_id: int, method: str, params: dict) -> bytes:
+    """The request's frame; EngineError for one that cannot be sent (text that is no valid
+    UTF-8, such as a lone surrogate; a frame over the size limit), which says nothing about the
+    engine or the connection."""
+    try:
+        return P.encode_frame({"id": request_id, "method": method, "params": params})
+    except P.FrameError as exc:
+        raise EngineError(P.BAD_FRAME, f"the {method!r} request is not sent: {exc}") from exc
+    except (UnicodeEncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise EngineError(P.BAD_REQUEST, f"the {method!r} request cannot be encoded: {exc}") from exc
 
 
 async def _in_daemon_thread(fn, *args):
@@ -481,8 +508,8 @@ def _take_spawn_lock(lock_fd: int, lock_file: Path, path: Path, config: SpawnCon
             on_progress(LOCK_HELD_MESSAGE)
             told = True
         if time.monotonic() - started > config.lock_timeout_s:
-            raise SpawnFailed(f"another process has held the spawn lock {lock_file} for "
-                              f"{config.lock_timeout_s:.0f} s without an engine listening on {path}")
+            raise SpawnFailed(f"the spawn lock {lock_file} was held for {config.lock_timeout_s:.0f} s "
+                              f"without an engine listening on {path}")
         time.sleep(LOCK_POLL_S)
 
 

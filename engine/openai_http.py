@@ -9,14 +9,21 @@ cache. Every `/v1/*` route needs `Authorization: Bearer <token>`; `/health` answ
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, a body that is not a JSON object, or a prompt longer than the context; 401 without a
 valid token; 404 for another model name or path; 413 for a body over `MAX_BODY_BYTES`; 429 when
-the engine refuses more requests (TOO_MANY_REQUESTS); 503 while draining, when the KV pool can't
-hold the request, or on an engine error. The engine's errors carry `engine.protocol` codes, and the status
+`HttpOptions.max_requests` completions are already in flight, or the engine refuses more
+(TOO_MANY_REQUESTS); 503 while draining, when the KV pool can't hold the request, or on an
+engine error. The engine's errors carry `engine.protocol` codes, and the status
 comes from the code, never from the message. A client that disconnects mid-request cancels its
 engine request.
 
 Text fields may hold lone surrogates (JSON's "\\ud800" is valid syntax, but no UTF-8 can hold
 it; editors that cut text at a UTF-16 offset split pairs): each becomes U+FFFD, as a lossy
 UTF-16 decoder does, so such a prompt is completed rather than refused.
+
+Fairness: all HTTP requests are one owner of the engine (`HTTP_OWNER`), sharing it with each
+msgpack connection as one client does, and at most `max_requests` are in flight at once. One
+owner, not one per peer: every HTTP client holds the same bearer token, and on loopback (where
+the listener belongs) peers differ only by their source port, a new one per connection, so a
+key per peer would hand each parallel request its own turn and its own share of the pool.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ MAX_BODY_BYTES = P.MAX_FRAME_BYTES
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs: what is left is lone
 
+HTTP_OWNER = "http"  # the engine's fairness key for every HTTP request (see above)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code; clients trim their prompt on it
 
 # The engine's error codes (engine.protocol) as what an OpenAI client expects: the HTTP status,
@@ -72,6 +80,7 @@ class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port
     token: str = ""
+    max_requests: int = 16  # completions in flight at once, all HTTP clients together; more get 429
 
 
 class ApiError(Exception):
@@ -103,6 +112,7 @@ class OpenAIFrontend:
         self.model_id = server.model_dir.name
         self.created = int(time.time())
         self.inflight = 0  # requests being answered; the daemon's drain waits for them
+        self.admitted = 0  # of them, those past authorization that count against max_requests
         self.port: int | None = None
         # Bytes, so that a token with non-ASCII characters compares without a TypeError.
         self._token = options.token.encode("utf-8")
@@ -176,11 +186,13 @@ class OpenAIFrontend:
         self.server.last_client_seen = time.monotonic()
         self.inflight += 1
         engine_request = watcher = None
-        streaming = False
+        streaming = admitted = False
         try:
             self._authorize(request)
             if self.server.draining:
                 raise ApiError(503, "the engine is shutting down", "server_error", code=P.SHUTTING_DOWN)
+            self._admit()  # before the body is read: a refusal costs nothing
+            admitted = True
             body = await _read_json(request)
             engine_request, stream, include_usage = await self._make_request(body)
             events = self._submit(engine_request)
@@ -194,7 +206,7 @@ class OpenAIFrontend:
                 streaming = True  # the response owns the watcher and the in-flight count now
                 return _EventStream(
                     self._sse(engine_request, events, first, include_usage),
-                    on_close=lambda: self._stream_closed(engine_request, watcher),
+                    on_close=lambda: self._stream_closed(engine_request, watcher, admitted),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
@@ -207,13 +219,23 @@ class OpenAIFrontend:
             raise
         finally:
             if not streaming:
-                self._done(watcher)
+                self._done(watcher, admitted)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _done(self, watcher: asyncio.Task | None) -> None:
+    def _admit(self) -> None:
+        """Count one more completion in flight, or refuse it with 429 past `max_requests`."""
+        cap = self.options.max_requests
+        if self.admitted >= cap:
+            raise _engine_error(P.TOO_MANY_REQUESTS, f"{cap} completions are already in flight over HTTP, "
+                                "the most there may be; retry when one has ended")
+        self.admitted += 1
+
+    def _done(self, watcher: asyncio.Task | None, admitted: bool) -> None:
         if watcher is not None:
             watcher.cancel()
         self.inflight -= 1
+        if admitted:
+            self.admitted -= 1
         self.server.last_client_seen = time.monotonic()
 
     async def _cancel_on_disconnect(self, request: HttpRequest, engine_request: Request) -> None:
@@ -258,7 +280,7 @@ class OpenAIFrontend:
         engine_request = Request(
             list(ids), max_tokens=p.max_tokens, temperature=float(p.temperature), top_p=float(p.top_p),
             seed=p.seed, stop=p.stop, stop_at_eos=not ignore_eos, forced_text=forced_text,
-            id=f"http:{secrets.token_hex(8)}",
+            owner=HTTP_OWNER, id=f"http:{secrets.token_hex(8)}",
         )
         return engine_request, stream, include_usage
 
@@ -268,9 +290,8 @@ class OpenAIFrontend:
         try:
             return await self.server.build_prompt(p)
         except Exception as exc:
-            code = getattr(exc, "code", None)  # engine.protocol.RequestError carries one
-            if isinstance(code, str) and code in ENGINE_ERRORS:
-                raise _engine_error(code, str(exc)) from exc
+            if isinstance(exc, P.RequestError) and exc.code in ENGINE_ERRORS:
+                raise _engine_error(exc.code, str(exc)) from exc
             if isinstance(exc, (TypeError, ValueError)):  # the client's input, as on the msgpack path
                 raise _bad(str(exc), "prompt") from exc
             raise
@@ -322,11 +343,11 @@ class OpenAIFrontend:
             event = await events.get()
         yield "data: [DONE]\n\n"
 
-    def _stream_closed(self, engine_request: Request, watcher: asyncio.Task) -> None:
+    def _stream_closed(self, engine_request: Request, watcher: asyncio.Task, admitted: bool) -> None:
         # However the response ended (finished, failed write, never started because the client
         # left at once): stop the engine's work, which is a no-op for a finished request.
         self.server.engine.cancel(engine_request.id, "disconnected")
-        self._done(watcher)
+        self._done(watcher, admitted)
 
     def _envelope(self, engine_request: Request) -> dict:
         return {"id": f"cmpl-{engine_request.id.removeprefix('http:')}", "object": "text_completion",

@@ -1,4 +1,4 @@
-"""Where the engine daemon keeps its socket, lock and log. Imports no torch.
+"""Where the engine daemon keeps its socket and log. Imports no torch.
 
 The socket lives in `$XDG_RUNTIME_DIR/wd-lsp/` (a per-user tmpfs on most desktops) or, when that
 is unset, in a per-user directory under the system temp dir; either way the directory is
@@ -36,25 +36,29 @@ def runtime_dir() -> Path:
 
 def ensure_private_dir(path: Path) -> Path:
     """Create `path` 0700, or check that an existing one is ours and private. A symbolic link
-    there is refused, even one to a directory of ours: lstat sees the link itself."""
+    there is refused, even one to a directory of ours. The directory is checked and its mode fixed
+    through one descriptor (O_NOFOLLOW): a link swapped in meanwhile is never followed."""
     try:
         path.mkdir(mode=0o700, parents=True)
     except FileExistsError:
         pass  # checked below, whatever it is
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise UnsafeRuntimeDir(f"{path} is not a directory owned by this user")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # a link (ELOOP), not a directory (ENOTDIR), gone
+        raise UnsafeRuntimeDir(f"{path} is not a directory owned by this user ({exc.strerror})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise UnsafeRuntimeDir(f"{path} is not a directory owned by this user")
+        if info.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 
 def socket_path() -> Path:
     return runtime_dir() / "engine.sock"
-
-
-def lock_path() -> Path:
-    return runtime_dir() / "engine.lock"
 
 
 def log_dir() -> Path:

@@ -60,36 +60,120 @@ PREFIX_CUT_LINES = 16
 
 # Texts are measured before they are tokenized: a token covers at most the vocabulary's longest
 # token's bytes, so bytes / that is a lower bound on the token count, and a text that cannot fit
-# its room is never tokenized (8 MB of text tokenize in seconds, into a GB of memory). A
-# normalizer may shrink text first (NFC composes three 3-byte Hangul jamo into one syllable), so
-# a tokenizer with one is allowed three times as much.
+# its room is never tokenized (8 MB of text tokenize in seconds, into a GB of memory). An NFC or
+# NFD normalizer may shrink text first (NFC composes three 3-byte Hangul jamo into one syllable),
+# so a tokenizer with one is allowed three times as much.
 NORMALIZER_SHRINK = 3
+# A tokenizer that can shrink text without a known bound (`max_token_bytes` None: an added token
+# that takes in whitespace, a normalizer such as NFKC or Strip) cannot refuse a text by its size:
+# a text is tokenized whole up to this many bytes instead (a plain prompt longer is refused, a
+# prefix or suffix cut to it), which bounds the memory (tokenizing takes some 600 bytes a token)
+# and is far more than a prompt of a 32K context averages (some 4 bytes a token of code).
+UNBOUNDED_TEXT_BYTES = 512 << 10
 # A long plain prompt is tokenized in pieces of about this many characters, cut at line starts.
 PIECE_CHARS = 1 << 16
 
 
-def max_token_bytes(tokenizer) -> int:
-    """Bytes of text that one token can stand for, at most (computed once per tokenizer)."""
-    cached = getattr(tokenizer, "_max_token_bytes", None)
-    if cached is None:
-        backend = tokenizer.backend
-        added = [len(t.content.encode()) for t in backend.get_added_tokens_decoder().values()]
-        exact = [len(b) for b in token_healer(tokenizer).token_bytes if b]  # byte-level vocabularies
-        if not exact:  # another kind: a piece's spelling is at least the text it stands for ("▁" for " ")
-            exact = [len(piece.encode()) for piece in backend.get_vocab(with_added_tokens=True)]
-        cached = max(exact + added + [1]) * (NORMALIZER_SHRINK if backend.normalizer is not None else 1)
-        tokenizer._max_token_bytes = cached
-    return cached
+def max_token_bytes(tokenizer) -> int | None:
+    """Bytes of text that one token can stand for, at most; None where the tokenizer can shrink
+    text without a known bound (computed once per tokenizer)."""
+    if not hasattr(tokenizer, "_max_token_bytes"):
+        tokenizer._max_token_bytes = _max_token_bytes(tokenizer)
+    return tokenizer._max_token_bytes
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    backend = tokenizer.backend
+    added = list(backend.get_added_tokens_decoder().values())
+    if any(t.lstrip or t.rstrip for t in added):
+        return None  # such a token takes in the whitespace beside it, however much there is
+    shrink = _shrink_bound(backend)
+    if shrink is None:
+        return None
+    healer = token_healer(tokenizer)
+    if healer.token_bytes:  # a byte-level vocabulary: each token's exact bytes
+        if not healer.supported:
+            return None  # a byte without a token of its own is dropped from the text
+        exact = [len(b) for b in healer.token_bytes if b]
+    elif getattr(backend.model, "byte_fallback", False):
+        # Another kind: a piece's spelling is at least the text it stands for ("▁" for " "), and
+        # a character outside the vocabulary becomes byte tokens, never nothing or one <unk>.
+        exact = [len(piece.encode()) for piece in backend.get_vocab(with_added_tokens=True)]
+    else:
+        return None  # unknown characters may vanish, or a run of them become one <unk>
+    return max(exact + [len(t.content.encode()) for t in added] + [1]) * shrink
+
+
+def _shrink_bound(backend) -> int | None:
+    """How many times fewer bytes the normalizer and pre-tokenizer may leave of a text (1: never
+    fewer), or None where they may drop text without bound."""
+    try:
+        normalizer = _state(backend.normalizer)
+        pre_tokenizer = _state(backend.pre_tokenizer)
+    except (AttributeError, TypeError, ValueError):  # a component that does not describe itself
+        return None
+    return _normalizer_shrink(normalizer) if _keeps_every_character(pre_tokenizer) else None
+
+
+def _state(component) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """Only normalizers known not to shrink text, or NFC/NFD (by at most NORMALIZER_SHRINK), keep
+    a bound; others may shrink it without one (Strip, StripAccents, a Replace by shorter text, a
+    precompiled charsmap, NFKC which turns 4-byte letters into 1-byte ones, Lowercase, ...)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind in ("NFC", "NFD"):
+        return NORMALIZER_SHRINK
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = spec.get("pattern") or {}
+        plain = isinstance(pattern.get("String"), str) and isinstance(spec.get("content"), str)
+        return 1 if plain and utf8_len(spec["content"]) >= utf8_len(pattern["String"]) else None
+    if kind == "Sequence":
+        total = 1
+        for member in spec.get("normalizers") or []:
+            factor = _normalizer_shrink(member)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    return None
+
+
+def _keeps_every_character(spec: dict | None) -> bool:
+    """Whether the pre-tokenizer only splits text (Whitespace, WhitespaceSplit, BertPreTokenizer,
+    CharDelimiterSplit and a "Removed" behavior drop characters)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(member) for member in spec.get("pretokenizers") or [])
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
 
 
 def utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def fewest_tokens(text: str | int, per_token: int) -> int:
-    """A lower bound on the tokens of `text` (or of that many bytes)."""
+def most_bytes(tokens: int, per_token: int | None) -> int:
+    """The most UTF-8 bytes a text of at most `tokens` tokens can have (`per_token` from
+    max_token_bytes); UNBOUNDED_TEXT_BYTES where no bound is known."""
+    if tokens <= 0:
+        return tokens
+    return tokens * per_token if per_token is not None else UNBOUNDED_TEXT_BYTES
+
+
+def may_fit(text: str | int, room: int, per_token: int | None) -> bool:
+    """False where `text` (or that many bytes) has more than `room` tokens by its size alone."""
     nbytes = text if isinstance(text, int) else utf8_len(text)
-    return -(-nbytes // per_token)
+    return nbytes <= most_bytes(room, per_token)
 
 
 def _line_start(text: str, lo: int, hi: int, last: bool) -> int | None:
@@ -107,17 +191,17 @@ def _line_start(text: str, lo: int, hi: int, last: bool) -> int | None:
     return None
 
 
-def encode_within(encode, text: str, room: int, per_token: int) -> list[int] | None:
+def encode_within(encode, text: str, room: int, per_token: int | None) -> list[int] | None:
     """`encode(text)`, or None where it has more than `room` tokens; memory stays bounded: a
     text too long by its size alone is not tokenized, a long one goes in pieces cut at line
-    starts (mid-line only in a line of over PIECE_CHARS / 2 characters) and stops once over."""
-    if fewest_tokens(text, per_token) > room:
+    starts and stops once over. A line is never cut (a cut inside one can change its ids): a
+    line longer than a piece makes a longer piece, as long as the size check lets it be."""
+    if not may_fit(text, room, per_token):
         return None
     ids: list[int] = []
     start = 0
     while start < len(text):
-        end = len(text) if len(text) - start <= PIECE_CHARS else \
-            _line_start(text, start + PIECE_CHARS // 2, start + PIECE_CHARS, last=True) or start + PIECE_CHARS
+        end = _piece_end(text, start)
         ids += encode(text[start:end])
         if len(ids) > room:
             return None
@@ -125,13 +209,23 @@ def encode_within(encode, text: str, room: int, per_token: int) -> list[int] | N
     return ids
 
 
+def _piece_end(text: str, start: int) -> int:
+    """The end of the piece from `start`: the rest where it is short, else the last line start in
+    the second half of PIECE_CHARS, else the first one past it, else the end."""
+    if len(text) - start <= PIECE_CHARS:
+        return len(text)
+    return (_line_start(text, start + PIECE_CHARS // 2, start + PIECE_CHARS, last=True)
+            or _line_start(text, start + PIECE_CHARS, len(text), last=False) or len(text))
+
+
 def plain_prompt_ids(tokenizer, text: str, room: int) -> list[int] | None:
     """A plain prompt's ids (special tokens written in it count), or None where it has more than
-    `room` tokens; tokenized in pieces where the tokenizer gives the same ids that way."""
+    `room` tokens (or, for a tokenizer without a size bound, more than UNBOUNDED_TEXT_BYTES
+    bytes); tokenized in pieces where the tokenizer gives the same ids that way."""
     per_token = max_token_bytes(tokenizer)
-    if _splits_at_line_starts(tokenizer):
+    if per_token is not None and _splits_at_line_starts(tokenizer):
         return encode_within(tokenizer.encode_prompt, text, room, per_token)
-    if fewest_tokens(text, per_token) > room:
+    if not may_fit(text, room, per_token):
         return None
     ids = tokenizer.encode_prompt(text)
     return ids if len(ids) <= room else None
@@ -149,12 +243,24 @@ def _splits_at_line_starts(tokenizer) -> bool:
     return cached
 
 
-def _head_ids(tokenizer, text: str, limit: int, per_token: int) -> list[int]:
+def _head_ids(tokenizer, text: str, limit: int, per_token: int | None) -> list[int]:
     """The first `limit` tokens of `text`, tokenizing only a head long enough to hold them."""
-    keep = (limit + 2) * per_token  # characters, so at least as many bytes: over `limit` tokens
+    keep = most_bytes(limit + 2, per_token)  # characters, so at least as many bytes: over `limit` tokens
     if len(text) > keep:
         text = text[: _line_start(text, keep, 2 * keep, last=False) or keep]
     return tokenizer.encode(text)[:limit]
+
+
+def _lines_out_of_reach(prefix: str, keep: int) -> tuple[int, int]:
+    """How many of the prefix's first lines start more than `keep` characters before its end, and
+    where the first other line starts (the cursor line's start where every line does). Counted,
+    not split: the cost stays with `keep`, however many lines there are."""
+    cut = len(prefix) - keep
+    if cut <= 0:
+        return 0, 0
+    newline = prefix.find("\n", cut - 1)  # the first line start at or after `cut` follows it
+    start = newline + 1 if newline >= 0 else prefix.rfind("\n") + 1
+    return prefix.count("\n", 0, start), start
 
 
 def _fit_prefix(tokenizer, prefix: str, room: int, heal: bool) -> tuple[list[int], str]:
@@ -163,29 +269,34 @@ def _fit_prefix(tokenizer, prefix: str, room: int, heal: bool) -> tuple[list[int
     start that fit, counted in steps of PREFIX_CUT_LINES; where a step would leave over a quarter
     of the room unused (long lines), or no whole step fits, in single lines. A prefix whose
     cursor line alone is too long is cut at an exact token count. Texts that cannot fit by
-    their size alone are never tokenized."""
+    their size alone are never tokenized, nor split into lines."""
     if room <= 0:
         return [], ""
     healer = token_healer(tokenizer)
     per_token = max_token_bytes(tokenizer)
-    lines = prefix.split("\n")  # the last is the cursor's line, kept whole
-    after = [0] * (len(lines) + 1)  # after[d]: bytes of the text without its first d lines
-    for d in range(len(lines) - 1, -1, -1):
-        after[d] = after[d + 1] + utf8_len(lines[d]) + (d < len(lines) - 1)
+    cursor_line = prefix[prefix.rfind("\n") + 1:]  # kept whole
     # Healing leaves out up to MAX_BACKOFF tokens, or a cursor line of indentation alone.
     slack = MAX_BACKOFF if heal else 0
-    spare = utf8_len(lines[-1]) if heal and lines[-1] and not lines[-1].strip() else 0
+    spare = utf8_len(cursor_line) if heal and cursor_line and not cursor_line.strip() else 0
+    most = most_bytes(room + slack, per_token)
+    # The lines that start too far back go by their size (a character is at least a byte); they
+    # are counted, so the cut steps below keep their places in the file while the user types.
+    gone, start = _lines_out_of_reach(prefix, most + spare)
+    lines = prefix[start:].split("\n")
+    after = [0] * (len(lines) + 1)  # after[k]: bytes of the text without its first gone + k lines
+    for k in range(len(lines) - 1, -1, -1):
+        after[k] = after[k + 1] + utf8_len(lines[k]) + (k < len(lines) - 1)
     # The healer caches its last split for the engine's healed_text of this same prefix: the
     # trial splits of shorter texts must not replace it.
     encode = healer._split if heal else (lambda text: (tokenizer.encode(text), ""))
 
     def could_fit(dropped: int) -> bool:
-        return fewest_tokens(after[dropped] - spare, per_token) <= room + slack
+        return dropped >= gone and after[dropped - gone] - spare <= most
 
     def without(dropped: int) -> tuple[list[int], str] | None:  # with that many first lines gone, if it fits
         if not could_fit(dropped):
             return None
-        found = encode("\n".join(lines[dropped:]))
+        found = encode("\n".join(lines[dropped - gone:]))
         return found if len(found[0]) <= room else None
 
     whole = None
@@ -213,18 +324,18 @@ def _fit_prefix(tokenizer, prefix: str, room: int, heal: bool) -> tuple[list[int
                 good, best = mid, found
         return good, best
 
-    last = len(lines) - 1  # lines that may go: all but the cursor's
+    last = gone + len(lines) - 1  # lines that may go: all but the cursor's
     tail = without(last) if last else None
     if tail is None:
         if whole is None:  # enough of the end for more than `room` tokens; its first ones go
-            whole = encode(prefix[-(room + slack + 2) * per_token:])
+            whole = encode(prefix[-most_bytes(room + slack + 2, per_token):])
         ids, forced = whole
         return ids[max(0, len(ids) - room):], forced
-    most = last // PREFIX_CUT_LINES
-    best = without(most * PREFIX_CUT_LINES) if most else None
+    steps = last // PREFIX_CUT_LINES
+    best = without(steps * PREFIX_CUT_LINES) if steps else None
     if best is None:  # whole steps cannot make it fit: single lines after the last step
-        return fewest(most * PREFIX_CUT_LINES, last, tail, 1)[1]
-    steps, best = fewest(0, most, best, PREFIX_CUT_LINES)
+        return fewest(steps * PREFIX_CUT_LINES, last, tail, 1)[1]
+    steps, best = fewest(0, steps, best, PREFIX_CUT_LINES)
     if room - len(best[0]) > room // 4:  # a step of long lines: give back what single lines can
         best = fewest((steps - 1) * PREFIX_CUT_LINES, steps * PREFIX_CUT_LINES, best, 1)[1]
     return best
@@ -259,9 +370,12 @@ def build_completion_prompt(
     heal: bool = False,
 ) -> list[int]:
     """With `heal` the end of the prefix is left out (the cursor line's indentation, else its
-    last token), to be written again under the constraint
-    `forced_text=engine.fim.healed_text(tokenizer, prefix)` (engine.token_healing), or the text
-    `layout_completion_prompt` gives with the same ids."""
+    last token), to be written again under the constraint `forced_text=` the text
+    `layout_completion_prompt` gives with the same ids (engine.token_healing). That text is
+    `engine.fim.healed_text(tokenizer, prefix)` wherever the prompt keeps the prefix from a line
+    start (all of it, or its last lines); where not even the cursor line fits, it is the healed
+    text of the end that was tokenized, and where the budget leaves the prefix no room at all it
+    is "" (nothing of the prefix is in the prompt, so nothing is written again)."""
     return layout_completion_prompt(tokenizer, prefix, suffix, chunks, path, order, max_prompt_tokens,
                                     max_suffix_tokens, repo_context, heal)[0]
 
@@ -301,7 +415,7 @@ def layout_completion_prompt(
     if sep is not None:
         for chunk in chunks:
             text = f"{chunk.path}\n{chunk.text.rstrip()}\n"
-            if 1 + fewest_tokens(text, per_token) > room - len(context):
+            if not may_fit(text, room - len(context) - 1, per_token):
                 break  # too long by its size alone
             ids = [sep, *tokenizer.encode(text)]
             if len(context) + len(ids) > room:

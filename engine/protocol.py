@@ -24,6 +24,9 @@ import msgpack
 PROTOCOL_VERSION = 1
 MAX_BEAMS = 8  # a beam search's rows go through one lean forward (engine.model.LONE_MAX_ROWS)
 MAX_FRAME_BYTES = 8 << 20  # a 5 MB file plus context fits; anything larger is refused
+# Frames before a connection's hello: a hello is small, and until it is checked (a TCP peer's
+# token) the peer may be anyone, who must not make the engine hold megabytes per connection.
+MAX_HELLO_FRAME_BYTES = 64 << 10
 HEADER = struct.Struct(">I")
 
 METHODS = ("hello", "complete", "warm", "cancel", "stats", "health", "model_info", "shutdown")
@@ -73,9 +76,10 @@ def decode_body(body: bytes) -> dict:
     return message
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict | None:
-    """The next message, or None at a clean end of stream. Raises FrameError for a bad frame
-    (after which the stream is out of sync and should be closed)."""
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> dict | None:
+    """The next message, or None at a clean end of stream. Raises FrameError for a bad frame or
+    one over `max_bytes`, refused by its header before its body is read (after which the stream
+    is out of sync and should be closed)."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -83,8 +87,8 @@ async def read_frame(reader: asyncio.StreamReader) -> dict | None:
             raise FrameError("connection closed inside a frame header") from exc
         return None
     (length,) = HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if length > max_bytes:
+        raise FrameError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
     try:
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:

@@ -15,12 +15,15 @@ A lone greedy sequence on the CPU decodes speculatively (`speculative`): a promp
 greedy decoding would have produced go out one by one through the usual output path; K/V
 written for rejected draft tokens lie past `computed` and are never read.
 
-Fairness: requests that share an `owner` (a connection) take turns with other owners. Waiting
-requests are admitted fewest-in-service owner first, and an owner holds at most
-`owner_block_share` of the KV pool (one request may take more if it is the owner's only one), so
-that one client's queue cannot fill the pool; prefill chunks go round-robin across owners and a
-decode batch too full for everyone takes each owner's oldest requests first. Interactive
-completions still come before warm-ups everywhere, and preempt them for blocks.
+Fairness: requests that share an `owner` (a connection) take turns with other owners; requests
+without one (the CLI, evals, benchmarks) are one owner, served first come first served. Waiting
+requests are admitted fewest-in-service owner first, and while another owner has requests
+waiting or running, an owner's completions hold at most `owner_block_share` of the KV pool (one
+request may take more if it is the owner's only one), so that one client's queue cannot fill the
+pool; a lone client is never held back by it. Prefill chunks go round-robin across owners and
+a decode batch too full for everyone takes each owner's oldest requests first. Interactive
+completions still come before warm-ups everywhere, and preempt them (their own owner's too) for
+blocks.
 
 Requests finish with an event; text arrives as delta events. Events are delivered through the
 request's callback, from the engine thread; an error event carries an `engine.protocol` code.
@@ -40,7 +43,7 @@ from typing import Callable
 import torch
 
 from engine.beam_search import BeamSearch, BeamTails
-from engine.block_allocator import BlockAllocator, PoolExhausted
+from engine.block_allocator import BlockAllocator
 from engine.kv_pool import KVPool, PagedBatch
 from engine.model import LONE_MAX_ROWS, Qwen3MoeModel
 from engine.output import OutputAssembler
@@ -52,6 +55,8 @@ from engine.sequence import BlockTable
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+OWNERLESS = "<ownerless>"  # the fairness key of every request without an owner
 
 
 class RequestRefused(RuntimeError):
@@ -82,7 +87,7 @@ class Request:
     stop_at_eos: bool = True
     warm_only: bool = False  # prefill and keep the blocks cached; no output
     client: str | None = None  # a newer request of the same client supersedes older ones
-    owner: str | None = None  # who the engine shares fairly with others (a connection); None: itself
+    owner: str | None = None  # who the engine shares fairly with others (a connection): _Active.owner
     deadline_s: float | None = None  # seconds after submission; then it ends with what it has
     return_logits: bool = False  # the first sampled position's logits in the final event
     forced_text: str = ""  # the first tokens must write this, and it is not released (token healing)
@@ -129,8 +134,9 @@ class _Active:
 
     @property
     def owner(self) -> str:
-        """The fairness key: requests without an owner each count as their own."""
-        return self.request.owner if self.request.owner is not None else f"request:{self.request.id}"
+        """The fairness key. Requests without an owner share one, so that among them the order
+        stays first come, first served (a new one does not take turns with running prefills)."""
+        return self.request.owner if self.request.owner is not None else OWNERLESS
 
 
 @dataclass
@@ -329,27 +335,51 @@ class Engine:
                 self._finish(a, a.cancel_reason)
 
     def _admit(self) -> None:
-        held = Counter()  # owner -> KV blocks its running requests took
+        # Owner -> KV blocks its running completions took; warm-ups do not count: any completion
+        # preempts them.
+        held = Counter()
         for a in self.running:
-            held[a.owner] += self._blocks(a)
+            if not a.request.warm_only:
+                held[a.owner] += self._blocks(a)
+        waiting = Counter(a.owner for a in self.waiting)  # owner -> its requests still waiting
+        running = Counter(a.owner for a in self.running)
+        still = len(self.waiting)
         for a in self._admission_order():
+            waiting[a.owner] -= 1
+            still -= 1
+            # The share holds only while another owner has requests waiting or running: a lone
+            # client may use the whole pool.
+            others = still - waiting[a.owner] + len(self.running) - running[a.owner]
+            before = len(self.running)
             try:
-                admitted = self._try_admit(a, held[a.owner])
+                admitted = self._try_admit(a, held[a.owner] if others else 0)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
-                if not isinstance(exc, RequestRefused):
-                    log.exception("request %s could not be admitted", a.request.id)
-                self.waiting.remove(a)
-                if a.table is not None:
-                    a.table.free()
-                    a.table = None
-                code = getattr(exc, "code", ENGINE_ERROR)
-                self._emit(a, Event(a.request.id, "error", error=str(exc), code=code))
-                self.counters["failed"] += 1
+                self._refuse(a, exc)
                 continue
+            if len(self.running) != before:  # warm-ups were preempted
+                running = Counter(r.owner for r in self.running)
             if admitted:
                 self.waiting.remove(a)
                 self.running.append(a)
-                held[a.owner] += self._blocks(a)
+                running[a.owner] += 1
+                if not a.request.warm_only:
+                    held[a.owner] += self._blocks(a)
+            else:  # it waits on: the share holds for the owners after it
+                waiting[a.owner] += 1
+                still += 1
+
+    def _refuse(self, a: _Active, exc: Exception) -> None:
+        """End a waiting request that cannot be admitted; only the engine's own refusals carry
+        their protocol code, any other exception is the engine's error."""
+        if not isinstance(exc, RequestRefused):
+            log.exception("request %s could not be admitted", a.request.id, exc_info=exc)
+        self.waiting.remove(a)
+        if a.table is not None:
+            a.table.free()
+            a.table = None
+        code = exc.code if isinstance(exc, RequestRefused) else ENGINE_ERROR
+        self._emit(a, Event(a.request.id, "error", error=str(exc), code=code))
+        self.counters["failed"] += 1
 
     def _admission_order(self) -> list[_Active]:
         """Completions before warm-ups; then round-robin across owners (an owner's n-th request in

@@ -5,12 +5,13 @@ loopback with a token. Nothing a client sends can stop the loop or disturb anoth
 frames get an error frame and a closed connection, bad parameters an error for that request.
 
 Limits, so that no client starves the others: a connection must greet within
-`hello_timeout_s`; it has at most `max_requests_per_connection` requests open (more are refused
-at once with TOO_MANY_REQUESTS); the engine shares itself fairly across connections
-(engine.scheduler); frames are written without waiting for the peer, and a peer that leaves
-more than `max_output_backlog` bytes unread has its streams cancelled (SLOW_READER) and its next
-request read only once it catches up; prompts are measured before they are tokenized and built
-a few at a time, one per connection (engine.prompt_layout).
+`hello_timeout_s`, in a frame of at most P.MAX_HELLO_FRAME_BYTES; it has at most
+`max_requests_per_connection` requests open (more are refused at once with TOO_MANY_REQUESTS);
+the engine shares itself fairly across connections (engine.scheduler); frames are written
+without waiting for the peer, and a peer that leaves more than `max_output_backlog` bytes unread
+has its streams cancelled (SLOW_READER) and its next request read only once it catches up;
+prompts are measured before they are tokenized and built a few at a time, one per connection
+(engine.prompt_layout).
 """
 
 from __future__ import annotations
@@ -28,17 +29,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import paths
 from engine import protocol as P
 from engine.token_healing import token_healer
-from engine.prompt_layout import (ContextChunk, layout_completion_prompt, max_token_bytes, plain_prompt_ids,
-                                  prompt_budget, supported_fim_orders, uses_repo_context)
+from engine.prompt_layout import (UNBOUNDED_TEXT_BYTES, ContextChunk, layout_completion_prompt,
+                                  max_token_bytes, plain_prompt_ids, prompt_budget, supported_fim_orders,
+                                  uses_repo_context, utf8_len)
 from engine.scheduler import Engine, Request
 
 log = logging.getLogger("wd_engine")
 
 # Markers in a connection's request table for a request whose prompt is still being built.
 PENDING, CANCELLED = "<pending>", "<cancelled>"
+
+# What a connection's reader holds, at most, before it stops reading from the socket (twice this,
+# as asyncio counts): a peer cannot make the engine buffer more than the frame it is reading.
+READ_BUFFER_BYTES = 64 << 10
+LISTEN_BACKLOG = 128
 
 # A completion prompt keeps at least this share of the model's context (or the daemon's prompt
 # cap, if smaller): a max_tokens that would leave less is refused, not met by cutting the user's
@@ -121,15 +127,16 @@ class EngineServer:
     # -- lifecycle ------------------------------------------------------------------------------
     async def serve(self) -> None:
         path = self.options.socket_path
-        listener = bind_socket(path)  # before the engine starts: a refused path stops nothing running
+        # Before the engine starts: a refused path stops nothing running.
+        listener, self._socket_identity = bind_socket(path)
         self.engine_thread = self.engine.start_thread()
-        unix = await asyncio.start_unix_server(self._on_unix, sock=listener, limit=P.MAX_FRAME_BYTES)
-        bound = path.lstat()
-        self._socket_identity = (bound.st_dev, bound.st_ino)
+        unix = await asyncio.start_unix_server(self._on_unix, sock=listener, limit=READ_BUFFER_BYTES,
+                                               backlog=LISTEN_BACKLOG)
         self.servers.append(unix)
         if self.options.tcp_port is not None:
             host = self.options.tcp_host or "127.0.0.1"
-            tcp = await asyncio.start_server(self._on_tcp, host=host, port=self.options.tcp_port, limit=P.MAX_FRAME_BYTES)
+            tcp = await asyncio.start_server(self._on_tcp, host=host, port=self.options.tcp_port,
+                                             limit=READ_BUFFER_BYTES, backlog=LISTEN_BACKLOG)
             self.servers.append(tcp)
             self.tcp_port = tcp.sockets[0].getsockname()[1]
             log.info("listening on tcp %s:%d (token required)", host, self.tcp_port)
@@ -142,6 +149,7 @@ class EngineServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain_and_stop("signal")))
         log.info("engine ready on %s (pid %d)", path, os.getpid())
+        self.last_client_seen = time.monotonic()  # the idle time counts from now, not from loading
         watchdog = asyncio.ensure_future(self._idle_watchdog())
         try:
             await self.stopped.wait()
@@ -233,11 +241,12 @@ class EngineServer:
             conn.writer.close()
 
     async def _next_message(self, conn: _Connection) -> dict | None:
-        """The connection's next frame; before its hello, within the hello timeout (TimeoutError)."""
+        """The connection's next frame; before its hello, within the hello timeout (TimeoutError)
+        and at most P.MAX_HELLO_FRAME_BYTES long."""
         if conn.greeted:
             return await P.read_frame(conn.reader)
         async with asyncio.timeout(self.options.hello_timeout_s):
-            return await P.read_frame(conn.reader)
+            return await P.read_frame(conn.reader, P.MAX_HELLO_FRAME_BYTES)
 
     async def _dispatch(self, conn: _Connection, message: dict) -> bool:
         """Handle one request; False closes the connection."""
@@ -258,7 +267,8 @@ class EngineServer:
         elif method == "cancel":
             self._cancel(conn, rid, params)
         elif method == "stats":
-            conn.send({"id": rid, "result": dict(self.engine.stats(), **self.counters, clients=self.clients)})
+            conn.send({"id": rid, "result": dict(self.engine.stats(), **self.counters, clients=self.clients,
+                                                 http_inflight=self.http.inflight if self.http else 0)})
         elif method == "health":
             conn.send({"id": rid, "result": self._health()})
         elif method == "model_info":
@@ -325,9 +335,17 @@ class EngineServer:
     # -- requests -------------------------------------------------------------------------------
     async def build_prompt(self, p: P.CompletionParams) -> tuple[list[int], str]:
         """`_build_prompt` off the event loop, at most `prompt_builders` at a time, so that a few
-        clients' large prompts leave cores for the engine and a turn for everyone else."""
-        async with self._builders:
-            return await asyncio.to_thread(self._build_prompt, p)
+        clients' large prompts leave cores for the engine and a turn for everyone else. A build's
+        slot is given back when the build ends, not when the task awaiting it does: a task
+        cancelled mid-build (its peer left) must not let another build start beside it."""
+        await self._builders.acquire()
+        try:
+            build = asyncio.get_running_loop().run_in_executor(None, self._build_prompt, p)
+        except BaseException:
+            self._builders.release()
+            raise
+        build.add_done_callback(lambda _: self._builders.release())
+        return await asyncio.shield(build)
 
     def _build_prompt(self, p: P.CompletionParams) -> tuple[list[int], str]:
         """The prompt's ids, and the text its first tokens must write (token healing). Bounded in
@@ -338,6 +356,11 @@ class EngineServer:
         context = self.engine.model.config.max_position_embeddings
         if p.prompt is not None:
             ids = plain_prompt_ids(tokenizer, p.prompt, context - 1)  # one position for the reply
+            capped = max_token_bytes(tokenizer) is None and utf8_len(p.prompt) > UNBOUNDED_TEXT_BYTES
+            if ids is None and capped:
+                raise P.RequestError(P.CONTEXT_EXCEEDED, (
+                    f"the prompt is over {UNBOUNDED_TEXT_BYTES} bytes, the most this engine tokenizes with "
+                    "this model's tokenizer (whose token count a text's size does not bound)"))
             if ids is None:
                 raise P.RequestError(P.CONTEXT_EXCEEDED, (
                     f"the prompt has more than {context - 1} tokens; this model's maximum context length is "
@@ -475,27 +498,32 @@ def remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
         path.unlink(missing_ok=True)
 
 
-def bind_socket(path: Path) -> socket.socket:
-    """A Unix socket bound at `path`, 0600 from its first moment, after `prepare_socket_path`.
-    bind() itself never replaces anything that is there."""
+def bind_socket(path: Path) -> tuple[socket.socket, tuple[int, int]]:
+    """A Unix socket listening at `path`, after `prepare_socket_path`, and the (st_dev, st_ino)
+    of its file, for `remove_own_socket`. It is 0600 from its first moment (the umask; no chmod,
+    which would follow a link planted in its place). bind() never replaces anything that is
+    there, and listen() follows at once: until then another engine starting would take the
+    socket for a crashed one's leftover and replace it, and the identity, taken now, would be
+    that engine's socket."""
     prepare_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)  # the socket is created 0600: no window where others can connect
     try:
         sock.bind(str(path))
+        sock.listen(LISTEN_BACKLOG)
+        info = path.lstat()
     except OSError as exc:
         sock.close()
         raise UnsafeSocketPath(f"cannot listen on {path}: {exc.strerror or exc}") from exc
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o600)
-    return sock
+    return sock, (info.st_dev, info.st_ino)
 
 
 def prepare_socket_path(path: Path) -> None:
     """Refuse to start beside a live engine, or over anything but a socket of ours; remove a stale
-    socket left by a crash. Never follows a symbolic link, never unlinks what is not a socket."""
-    _check_runtime_dir(path.parent)
+    socket left by a crash. Never follows a symbolic link, never unlinks what is not a socket.
+    (The default path's directory is checked by paths.runtime_dir, which gives it.)"""
     try:
         info = path.lstat()
     except FileNotFoundError:
@@ -520,16 +548,6 @@ def prepare_socket_path(path: Path) -> None:
     finally:
         probe.close()
     raise RuntimeError(f"an engine is already listening on {path}")
-
-
-def _check_runtime_dir(directory: Path) -> None:
-    """The default runtime directory must be ours and private (0700): there, the socket relies
-    on it. (paths.runtime_dir creates it so, and refuses one that is not ours.)"""
-    if directory != paths.runtime_dir():
-        return
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise UnsafeSocketPath(f"the runtime directory {directory} must be this user's directory, mode 0700")
 
 
 def _kind(mode: int) -> str:

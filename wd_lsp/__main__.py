@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.version:
         print(f"wd-lsp {__version__}")
         return 0
-    handlers = [logging.FileHandler(args.log_file)] if args.log_file else [logging.StreamHandler(sys.stderr)]
-    logging.basicConfig(level=logging.INFO, handlers=handlers,
+    handler, refused = _log_handler(args.log_file)
+    logging.basicConfig(level=logging.INFO, handlers=[handler],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if refused:
+        logging.getLogger("wd_lsp").error("%s; logging to stderr instead", refused)
     logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message at INFO
     from wd_lsp.server import server  # after logging is set up
     from wd_lsp.transport import serve_stdio, serve_tcp
@@ -41,6 +44,20 @@ def main(argv: list[str] | None = None) -> int:
         return serve_stdio(server)
     except KeyboardInterrupt:
         return 130
+
+
+def _log_handler(log_file: str | None) -> tuple[logging.Handler, str | None]:
+    """A handler for the server's log, and why the file asked for was refused (if it was). The log
+    may hold document text (with requests' params): the file is created 0600 and never written
+    through a symbolic link."""
+    if not log_file:
+        return logging.StreamHandler(sys.stderr), None
+    from engine.paths import UnsafeLogFile, open_private_log  # imports no torch
+
+    try:
+        return logging.StreamHandler(open_private_log(Path(log_file), "a")), None
+    except UnsafeLogFile as exc:
+        return logging.StreamHandler(sys.stderr), str(exc)
 
 
 if __name__ == "__main__":

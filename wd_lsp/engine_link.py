@@ -5,9 +5,11 @@ and empty completions; the next request reconnects, which respawns it.
 Every wait on the engine is bounded, so a stopped, hung or still-loading engine gives empty
 completions and one logged reason, never a stalled editor: connecting (which may spawn the
 engine and load its model) runs as one background task that callers wait for at most a request
-timeout; a completion has its guard; a cancel is sent and not waited for; stats have a bound.
-After a failed spawn (something foreign at the socket path included) or an engine that stopped
-answering, reconnecting waits a backoff that doubles up to a cap, while requests are answered at once.
+timeout (once the engine is known to be loading, only briefly); a completion has its guard; a
+cancel is sent and not waited for; warms, stats and the restart's shutdown have a bound. Only that
+task connects (or spawns): requests go out on an existing connection or not at all. After a failed
+spawn (something foreign at the socket path included) or an engine that stopped answering,
+reconnecting waits a backoff that doubles up to a cap, while requests are answered at once.
 """
 
 from __future__ import annotations
@@ -26,16 +28,27 @@ from engine.client import (
 from engine.protocol import BAD_REQUEST
 
 from .config import Settings
-from .context import CompletionContext
+from .context import CompletionContext, encodable
 from .shape import StopRules, apply_stop_rules
 
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 0.3
-CLIENT_GRACE_S = 0.5  # beyond the request's own deadline (the engine keeps it), before giving up on it
+# Beyond the request's own deadline (the engine keeps it) before giving up on it: the engine
+# checks deadlines only between scheduler steps, and one prefill step on a loaded CPU can take
+# a second or more.
+CLIENT_GRACE_S = 2.0
+# How long a request waits for an engine already known to be loading its model: the completion
+# is empty either way, and clients that wait for it before showing their menu must not hang.
+STARTING_WAIT_S = 0.15
 STATS_TIMEOUT_S = 1.0  # wdLsp.status asks for the engine's stats: a stopped engine must not stall it
 RESTART_WAIT_S = 30.0  # wdLsp.restartEngine waits this long for the new engine; it goes on loading after
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # before connecting again after a failed spawn or a silent engine
+
+
+def _now() -> float:
+    """The clock of the backoff (tests move it; time.monotonic also drives the event loop)."""
+    return time.monotonic()
 
 
 @dataclass
@@ -63,7 +76,7 @@ class EngineLink:
         self._background: set[asyncio.Task] = set()  # cancels on their way to the engine
         self._progress_message: str | None = None
         self._backoff_s = 0.0
-        self._retry_at = 0.0  # no new connect (nor spawn) before this, in time.monotonic()
+        self._retry_at = 0.0  # no new connect (nor spawn) before this, in _now()
         self._beams_refused = False  # the connected engine predates beam search
 
     def configure(self, settings: Settings) -> None:
@@ -90,8 +103,9 @@ class EngineLink:
 
     async def ensure_connected(self, wait_s: float | None = None) -> EngineClient:
         """The connected client. Connecting (and spawning, and loading the model) is one task
-        shared by all callers, which wait for it at most `wait_s` (default: the request timeout)
-        and then get EngineStarting while the engine goes on starting; a later call finds it."""
+        shared by all callers, which wait for it at most `wait_s` (default: the request timeout,
+        or STARTING_WAIT_S once the engine is known to be loading) and then get EngineStarting
+        while the engine goes on starting; a later call finds it."""
         client = self.client
         if client is not None and client.connected:
             return client
@@ -100,7 +114,7 @@ class EngineLink:
             self._check_backoff()
             task = self._connect_task = asyncio.ensure_future(self._connect())
             task.add_done_callback(_consume_outcome)
-        wait = self.settings.request_timeout_ms / 1000 if wait_s is None else wait_s
+        wait = self._connect_wait() if wait_s is None else wait_s
         try:
             async with asyncio.timeout(wait):
                 return await asyncio.shield(task)
@@ -111,7 +125,14 @@ class EngineLink:
                 raise EngineUnavailable("the connection attempt was replaced") from None
             raise
 
+    def _connect_wait(self) -> float:
+        """The first request waits the request timeout (a fast-loading model then answers it);
+        once that was not enough, requests only glance at the loading engine."""
+        timeout_s = self.settings.request_timeout_ms / 1000
+        return min(timeout_s, STARTING_WAIT_S) if self._starting_logged else timeout_s
+
     async def _connect(self) -> EngineClient:
+        """The shared connect task: the only place that connects, and so spawns, the engine."""
         if self.client is None:
             self.client = self._make_client()
         client = self.client
@@ -121,12 +142,10 @@ class EngineLink:
         try:
             info = await client.connect()
         except EngineUnavailable as exc:
-            if client is self.client:
-                self._report_failure(exc)
+            self._report_failure(exc, client)
             raise
         except (EngineError, OSError) as exc:  # refused hello (version, token), a socket error
-            if client is self.client:
-                self._report_failure(exc)
+            self._report_failure(exc, client)
             raise EngineUnavailable(str(exc)) from exc
         if client is not self.client:  # restarted or reconfigured meanwhile
             client.disconnect()
@@ -149,13 +168,13 @@ class EngineLink:
         return EngineStarting(f"{reason} (waited {waited_s:.1f} s)")
 
     def _check_backoff(self) -> None:
-        remaining = self._retry_at - time.monotonic()
+        remaining = self._retry_at - _now()
         if remaining > 0:
             raise EngineUnavailable(f"{self._last_error}; not trying again for {remaining:.0f} s")
 
     def _back_off(self) -> None:
         self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s) if self._backoff_s else BACKOFF_FIRST_S
-        self._retry_at = time.monotonic() + self._backoff_s
+        self._retry_at = _now() + self._backoff_s
 
     def _reset_backoff(self) -> None:
         self._backoff_s, self._retry_at = 0.0, 0.0
@@ -167,9 +186,10 @@ class EngineLink:
             prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
             chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
             max_tokens=s.max_tokens, temperature=float(s.temperature),
-            stop=list(rules.stop_strings), client=key, deadline_ms=s.request_timeout_ms,
+            stop=list(rules.stop_strings), client=encodable(key), deadline_ms=s.request_timeout_ms,
         )
-        if not rules.multiline and s.beams > 1 and not self._beams_refused:  # a block streams as greedy writes it
+        # A block streams as greedy writes it: beams only for a single line.
+        if not rules.multiline and s.beams > 1 and not self._beams_refused:
             params["beams"] = s.beams
         try:
             return await self._complete(params, rules)
@@ -179,7 +199,8 @@ class EngineLink:
             if not (exc.code == BAD_REQUEST and "beams" in exc.message and params.pop("beams", None)):
                 raise
             self._beams_refused = True
-            log.warning("the running engine does not take 'beams' (wdLsp.restartEngine updates it); decoding greedily")
+            log.warning("the running engine does not take 'beams' (wdLsp.restartEngine updates it); "
+                        "decoding greedily")
             return await self._complete(params, rules)
 
     async def _complete(self, params: dict, rules: StopRules) -> EngineAnswer:
@@ -193,7 +214,7 @@ class EngineLink:
         try:
             # The engine enforces the deadline itself; this bound covers an engine that hangs.
             async with asyncio.timeout(guard_s):
-                stream = await client.complete(params)
+                stream = await client.complete(params, reconnect=False)
                 async for delta in stream:
                     if first_token_ms is None:
                         first_token_ms = 1000 * (time.monotonic() - started)
@@ -212,7 +233,8 @@ class EngineLink:
                 self._cancel_soon(stream)
             raise self._timed_out(guard_s) from exc
         except EngineUnavailable as exc:
-            self._report_failure(exc)
+            if not self._connecting():  # otherwise that connect already brings the engine back
+                self._report_failure(exc, client)
             raise
         if self._timeout_logged:
             self._timeout_logged = False
@@ -236,22 +258,18 @@ class EngineLink:
         return EngineTimeout(message)
 
     async def warm(self, ctx: CompletionContext, key: str) -> None:
+        """Prefill the prompt at the cursor; EngineTimeout after the request timeout."""
         client = await self.ensure_connected()
-        async with asyncio.timeout(self.settings.request_timeout_ms / 1000):
-            await client.warm(dict(prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
-                                   chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
-                                   client=key))
+        params = dict(prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
+                      chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks], client=encodable(key))
+        await client.warm(params, timeout=self.settings.request_timeout_ms / 1000, reconnect=False)
 
     async def stats(self) -> dict:
-        """The engine's counters, or EngineTimeout after STATS_TIMEOUT_S."""
+        """The engine's counters ({} when not connected), or EngineTimeout after STATS_TIMEOUT_S."""
         client = self.client
         if client is None or not client.connected:
             return {}
-        try:
-            async with asyncio.timeout(STATS_TIMEOUT_S):
-                return await client.request("stats")
-        except TimeoutError as exc:
-            raise EngineTimeout(f"the engine did not answer within {STATS_TIMEOUT_S:.1f} s") from exc
+        return await client.request("stats", timeout=STATS_TIMEOUT_S, reconnect=False)
 
     async def restart(self) -> None:
         """Stop the engine (it drains) and connect again, which starts a fresh one. An engine
@@ -260,7 +278,7 @@ class EngineLink:
         client = self.client
         if can_spawn and client is not None and client.connected:
             try:
-                await client.request("shutdown", timeout=STATS_TIMEOUT_S)
+                await client.request("shutdown", timeout=STATS_TIMEOUT_S, reconnect=False)
             except (EngineUnavailable, EngineError):
                 pass
             await client.close()
@@ -270,18 +288,29 @@ class EngineLink:
         await self.ensure_connected(wait_s=RESTART_WAIT_S)
 
     def disconnect(self) -> None:
-        """Drop the connection and any connecting in progress (a spawn already under way goes
-        on in its thread: its engine serves the next connect)."""
-        task, self._connect_task = self._connect_task, None
-        if task is not None and not task.done():
-            task.cancel()
+        """Drop the connection and all that would use or bring back the engine after it: a connect
+        in progress (a spawn already under way goes on in its thread: its engine serves the next
+        connect), a scheduled reconnect, and cancels still on their way (the engine drops the work
+        of a closed connection)."""
+        tasks = [self._connect_task, self._restart_task, *self._background]
+        self._connect_task = self._restart_task = None
+        current = _current_task()
+        for task in tasks:
+            if task is not None and task is not current and not task.done():
+                task.cancel()
         if self.client is not None:
             self.client.disconnect()
             self.client = None
 
-    def _report_failure(self, exc: Exception) -> None:
-        """Drop the connection, say why once per failure (a new reason is said too), and retry
-        soon; after a failed spawn or an engine that does not answer, only after a backoff."""
+    def _connecting(self) -> bool:
+        return self._connect_task is not None and not self._connect_task.done()
+
+    def _report_failure(self, exc: Exception, client: EngineClient) -> None:
+        """Drop `client`'s connection, say why once per failure (a new reason is said too), and
+        retry soon; after a failed spawn or an engine that does not answer, only after a backoff.
+        A client the link has already replaced is none of its business any more."""
+        if client is not self.client:
+            return
         if isinstance(exc, (SpawnFailed, EngineTimeout)):
             self._back_off()
         if not self._error_logged or str(exc) != self._last_error:
@@ -290,15 +319,14 @@ class EngineLink:
             self._last_error = str(exc)
             self._set_state("error", f"engine unavailable: {exc}")
         self._starting_logged = False
-        if self.client is not None:
-            self.client.disconnect()
-            self.client = None
+        client.disconnect()
+        self.client = None
         if self._restart_task is None or self._restart_task.done():
             self._restart_task = asyncio.ensure_future(self._restart_soon())
 
     async def _restart_soon(self) -> None:
         """Bring a dead engine back without waiting for the next keystroke (once per failure)."""
-        await asyncio.sleep(max(RESTART_DELAY_S, self._retry_at - time.monotonic()))
+        await asyncio.sleep(max(RESTART_DELAY_S, self._retry_at - _now()))
         try:
             await self.ensure_connected()
         except (EngineUnavailable, EngineError, OSError):
@@ -307,6 +335,13 @@ class EngineLink:
     def _set_state(self, state: str, message: str) -> None:
         self.state = state
         self.on_state(state, message)
+
+
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop (a process that is exiting)
+        return None
 
 
 def _consume_outcome(task: asyncio.Task) -> None:

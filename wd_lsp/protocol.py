@@ -10,8 +10,8 @@ params to ours untouched and pygls' workspace never sees the documents.
 pygls decodes a message inside its reader and only logs what fails there, so a client whose
 request has bad params, or comes after `shutdown`, waits forever. `receive_body` (fed by
 `wd_lsp.transport`) decodes a body itself and answers each such request with the JSON-RPC error
-the spec names. pygls' `exit` raises SystemExit, which its `start_io` swallows, so the process
-always exited 0; here `exit` records its code and hands it to the transport, which returns it.
+the spec names. pygls' `exit` ends the process through its own reader loop; here `exit` records
+the spec's code and hands it to the transport (`wd_lsp.transport`), which returns it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pygls.protocol.json_rpc import (
     JsonRPCNotification,
     JsonRPCRequestMessage,
     JsonRPCResponseMessage,
-    RPCRequest,
 )
 from pygls.protocol.language_server import lsp_method
 
@@ -75,23 +74,22 @@ class WdProtocol(LanguageServerProtocol):
             yield handler, args, None
         self.exit_code = self.lifecycle_exit_code()
         log.info("exit (code %d)", self.exit_code)
-        if self.on_exit is None:
-            raise SystemExit(self.exit_code)  # pygls' own loop (no transport of ours) stops on it
-        self.on_exit(self.exit_code)
+        if self.on_exit is not None:
+            self.on_exit(self.exit_code)
 
-    def handle_message(self, message):
-        method, msg_id = getattr(message, "method", None), getattr(message, "id", None)
-        if self._refused_after_shutdown(method, msg_id, isinstance(message, RPCRequest)):
-            return
-        super().handle_message(message)
-
-    def _refused_after_shutdown(self, method: str | None, msg_id: Any, request: bool) -> bool:
+    def _refused_after_shutdown(self, data: dict) -> bool:
+        """After `shutdown` only `exit` is handled: a request gets an error, the rest is dropped."""
+        method = data.get("method")
         if not self._shutdown or method == types.EXIT:
             return False
-        log.warning("%s %r after shutdown: %s", "request" if request else "message", method,
-                    "refused" if request else "ignored")
-        if request:
-            self._send_error(msg_id, JsonRpcInvalidRequest(message=f"{method}: the server is shutting down"))
+        if method is None:
+            log.debug("a response after shutdown: ignored")
+        elif "id" in data:
+            log.warning("request %r after shutdown: refused", method)
+            error = JsonRpcInvalidRequest(message=f"{method}: the server is shutting down")
+            self._send_error(data["id"], error)
+        else:
+            log.warning("notification %r after shutdown: ignored", method)
         return True
 
     # -- decoding --------------------------------------------------------------------------------
@@ -108,8 +106,7 @@ class WdProtocol(LanguageServerProtocol):
             log.warning("an invalid JSON-RPC message (%s): answered with an error", problem)
             self._send_error(msg_id, JsonRpcInvalidRequest(message=f"Invalid request: {problem}"))
             return
-        method, request = data.get("method"), "method" in data and "id" in data
-        if self._refused_after_shutdown(method, data.get("id"), request):
+        if self._refused_after_shutdown(data):
             return
         try:
             message = self._structure(data)

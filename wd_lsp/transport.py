@@ -16,7 +16,11 @@ cannot hold a raw line break). So:
   cannot contain a header); if the length is a lie (10^12, 2^63-1), hunting finds the next message
   at once, where skipping the declared count would swallow every later message.
 - A body that contains a header line was declared longer than it is: it ends where that header
-  starts, so the next message is read without waiting for bytes that will never come.
+  starts, so the next message is read without waiting for bytes that will never come. When the
+  declared length ends inside such a header line (the body is short by fewer bytes than the line),
+  the reader first takes the rest of the line (or the end of the stream): taking only the declared
+  bytes would cut the header's name, and hunting would then skip the whole next message. A valid
+  JSON body never ends in the start of a header line, so this never waits for bytes that may not come.
 
 Each incident is logged once, when the reader is back in step (or at the end of the stream).
 """
@@ -53,6 +57,13 @@ _HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*:[ \t]*(.*?)[ \t
 # A header line inside a body; bounded so that a match is at most _EMBED_SPAN bytes long.
 _EMBEDDED_HEADER = re.compile(rb"content-length[ \t]{0,8}:[ \t]{0,8}\d{1,20}[ \t]{0,8}\r?\n", re.IGNORECASE)
 _EMBED_SPAN = 64
+# The start of a header line cut off by the end of a body: a name prefix (shorter than a name) or a
+# name followed by what the line may hold before its line break. Matched case-insensitively
+# against what follows the body's last line break or closing bracket. No quote: a valid body (a
+# JSON string at the top) may end in one.
+_HEADER_NAMES = (b"content-length", b"content-type")
+_HEADER_LINE_START = re.compile(
+    rb'content-(?:length[ \t]*(?::[ \t]*\d*[ \t]*\r?)?|type[ \t]*(?::[^\r\n"]*\r?)?)', re.IGNORECASE)
 _MAX_LENGTH_DIGITS = 20  # more digits than this is over any cap; int() refuses ~4300+ digits
 _HUGE_LENGTH = 10 ** _MAX_LENGTH_DIGITS
 
@@ -146,10 +157,12 @@ class Framer:
                 log.warning("a message body ended after %d of its declared %d bytes, where the next "
                             "header starts; reading on from that header", cut, length)
                 return self._take(cut)
-            if len(self._buf) >= length:
+            if len(self._buf) >= length and not self._ends_in_header_start(length):
                 return self._take(length)
             scanned = max(0, len(self._buf) - _EMBED_SPAN)
             if not await self._fill():
+                if len(self._buf) >= length:  # the header it seemed to start never came
+                    return self._take(length)
                 log.warning("the stream ended inside a message body (%d of %d bytes): dropped",
                             len(self._buf), length)
                 self._buf.clear()
@@ -163,6 +176,17 @@ class Framer:
             start = max(start, length - _EMBED_SPAN)
         match = _EMBEDDED_HEADER.search(self._buf, start, end)
         return match.start() if match is not None and match.start() < length else None
+
+    def _ends_in_header_start(self, length: int) -> bool:
+        """Whether the first `length` buffered bytes end in the unfinished start of a header line
+        whose end is not buffered yet (once it is, `_header_inside` finds a Content-Length line)."""
+        if len(self._buf) >= length + _EMBED_SPAN:
+            return False
+        tail = bytes(self._buf[max(0, length - _EMBED_SPAN):length])
+        start = max(tail.rfind(b"\n"), tail.rfind(b"}"), tail.rfind(b"]")) + 1
+        if start == 0:  # a header line starts after a line break or at the end of a JSON value
+            return False
+        return _is_header_line_start(tail[start:])
 
     def _take(self, n: int) -> bytes:
         body = bytes(self._buf[:n])
@@ -183,6 +207,14 @@ class Framer:
             log.log(level, "dropped %d bytes that are not a well-framed message (first: %s)",
                     self._dropped, self._why)
         self._dropped, self._noise, self._why = 0, False, None
+
+
+def _is_header_line_start(text: bytes) -> bool:
+    """Whether `text` (not empty) is how a Content-Length or Content-Type line starts."""
+    lower = text.lower()
+    if any(name.startswith(lower) for name in _HEADER_NAMES):
+        return bool(text)
+    return _HEADER_LINE_START.fullmatch(text) is not None
 
 
 class StdinChunks:

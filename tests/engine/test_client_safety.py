@@ -15,7 +15,9 @@ import pytest
 from engine import client as C
 from engine import paths
 from engine import protocol as P
-from engine.client import EngineClient, EngineTimeout, SpawnConfig, SpawnFailed, UnsafeSocket
+from engine.client import (
+    EngineClient, EngineTimeout, EngineUnavailable, SpawnConfig, SpawnFailed, UnsafeSocket,
+)
 
 
 @pytest.fixture
@@ -223,6 +225,33 @@ async def test_a_cancel_never_waits_for_a_hung_engine_and_leaves_nothing_pending
         await client.close()
 
 
+async def test_a_request_bound_covers_a_write_the_engine_never_reads(run_dir):
+    path = run_dir / "engine.sock"
+    async with RecordingEngine(path, answer_hello=True, read_after_hello=False):
+        client = EngineClient(socket_path=path, write_timeout_s=60)
+        await client.connect()
+        async with asyncio.timeout(10):  # only catches a hang
+            with pytest.raises(EngineTimeout, match="did not answer 'warm' within 0.3 s"):
+                # Far more than the socket buffers hold: the write itself cannot finish.
+                await client.request("warm", {"prefix": "x" * (6 << 20)}, timeout=0.3)
+        assert client._pending == {}
+        client.disconnect(abort=True)
+
+
+async def test_without_reconnect_nothing_is_connected_or_spawned(run_dir, monkeypatch):
+    path = run_dir / "engine.sock"
+    spawned = []
+    monkeypatch.setattr(C, "spawn_daemon", lambda *args: spawned.append(args))
+    async with RecordingEngine(path, answer_hello=True) as engine:
+        client = EngineClient(socket_path=path, spawn=SpawnConfig())
+        for call in (client.request("stats", reconnect=False), client.warm({}, reconnect=False),
+                     client.complete({"prefix": "", "suffix": ""}, reconnect=False)):
+            with pytest.raises(EngineUnavailable, match="not connected"):
+                await call
+        await asyncio.sleep(0.05)
+        assert engine.connections == 0 and spawned == [] and not client.connected
+
+
 # -- the spawn lock ---------------------------------------------------------------------------
 def hold_lock(path: Path) -> int:
     fd = os.open(C.spawn_lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
@@ -235,7 +264,7 @@ def test_a_held_spawn_lock_is_polled_and_given_up_on(run_dir, no_popen):
     holder = hold_lock(path)
     progress = []
     try:
-        with pytest.raises(SpawnFailed, match="held the spawn lock"):
+        with pytest.raises(SpawnFailed, match="spawn lock .* was held for"):
             C.spawn_daemon(path, SpawnConfig(lock_timeout_s=0.3), progress.append)
     finally:
         os.close(holder)
@@ -294,6 +323,34 @@ def test_the_log_is_never_written_through_what_is_planted_there(kind, tmp_path):
         paths.open_private_log(path)
     if kind == "symlink":
         assert (tmp_path / "target").read_text() == "precious\n" and path.is_symlink()
+
+
+def test_a_private_dirs_mode_is_fixed_on_what_was_checked_not_on_a_swapped_in_link(tmp_path, monkeypatch):
+    """Between the check and the chmod, the directory is moved away and a link to another
+    directory put in its place: the mode change must not follow that link."""
+    path, victim = tmp_path / "wd-lsp", tmp_path / "victim"
+    for directory in (path, victim):
+        directory.mkdir()
+        os.chmod(directory, 0o755)
+    real_chmod, real_fchmod = os.chmod, os.fchmod
+
+    def swap():
+        path.rename(tmp_path / "moved")
+        path.symlink_to(victim)
+
+    def chmod(target, mode, **kw):
+        swap()
+        return real_chmod(target, mode, **kw)
+
+    def fchmod(fd, mode):
+        swap()
+        return real_fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    monkeypatch.setattr(os, "fchmod", fchmod)
+    paths.ensure_private_dir(path)
+    monkeypatch.undo()
+    assert mode(victim) == 0o755 and mode(tmp_path / "moved") == 0o700
 
 
 @pytest.mark.parametrize("kind", ["symlink", "file"])

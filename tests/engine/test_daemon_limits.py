@@ -279,13 +279,14 @@ def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedd
     for i in range(12):  # one client's queue: each takes 300 tokens of room, 19 blocks
         flood = Request(prompt + [100 + i], max_tokens=280, stop_at_eos=False, owner="flood", id=f"f{i}")
         engine.submit(flood, on_event)
-    for _ in range(3):
-        engine.step()
-    flood_blocks = sum(len(a.table.blocks) for a in engine.running)
-    assert flood_blocks <= engine.owner_block_limit == 64  # a quarter of the pool, however many it queues
-    assert len(engine.running) > engine.max_batch  # its running requests alone fill the decode batch
     engine.submit(Request(prompt + [7], max_tokens=6, stop_at_eos=False, owner="other", id="other"), on_event)
-    steps = 0
+    engine.step()
+    flood_blocks = sum(len(a.table.blocks) for a in engine.running if a.request.owner == "flood")
+    # With another owner there, a quarter of the pool, however many it queues (alone it may take
+    # more: tests/engine/test_scheduler.py).
+    assert flood_blocks <= engine.owner_block_limit == 64
+    assert sum(a.request.owner == "flood" for a in engine.running) > engine.max_batch  # it fills the batch
+    steps = 1
     while "other" not in done and steps < 50:
         engine.step()
         steps += 1
@@ -310,6 +311,27 @@ def test_engine_errors_carry_protocol_codes(embedded):
     engine.run_until_idle()
     for code in cases:
         assert events[code].kind == "error" and events[code].code == code, events[code]
+
+
+def test_an_exception_that_happens_to_have_a_code_is_an_engine_error(embedded, monkeypatch):
+    """Only the engine's own refusals carry their code: any other exception's `.code` (an
+    OSError subclass's, a library's) is no protocol code."""
+    from engine.scheduler import Engine, Request
+
+    class Odd(RuntimeError):
+        code = P.BAD_REQUEST
+
+    model, tok = embedded
+    engine = Engine(model, tok, num_blocks=4, block_size=16)
+
+    def fail(*args, **kwargs):
+        raise Odd("not a refusal")
+
+    monkeypatch.setattr(engine, "_try_admit", fail)
+    events = []
+    engine.submit(Request([5, 6, 7], max_tokens=4), events.append)
+    engine.run_until_idle()
+    assert events[-1].kind == "error" and events[-1].code == P.ENGINE_ERROR
 
 
 # -- huge prompts ------------------------------------------------------------------------------
@@ -418,7 +440,7 @@ async def test_the_per_connection_cap_refuses_at_once_and_frees_as_requests_end(
 
 # -- connections that never greet ----------------------------------------------------------------
 def test_a_silent_connection_is_closed_and_does_not_keep_the_daemon_alive(tmp_path):
-    daemon = start_daemon(tmp_path, hello_timeout_s=0.5, idle_timeout_s=1.5)
+    daemon = start_daemon(tmp_path, hello_timeout_s=0.5, idle_timeout_s=5.0)
     try:
         t0 = time.monotonic()
         peer = RawPeer(daemon.socket, greet=False)
@@ -442,12 +464,75 @@ def test_a_silent_connection_is_closed_and_does_not_keep_the_daemon_alive(tmp_pa
 
         keeper = threading.Thread(target=keep_one_silent, daemon=True)
         keeper.start()
-        daemon.process.wait(timeout=30)
+        daemon.process.wait(timeout=60)
         stop.set()
         print(f"\nsilent connection closed after {closed_after:.2f} s; the daemon left when idle")
         assert daemon.process.returncode == 0
     finally:
         daemon.stop()
+
+
+def test_a_frame_over_64_kb_before_hello_is_refused_by_its_header(shared):
+    """Until its hello is checked a peer may be anyone: it cannot make the daemon read (and hold)
+    a frame of megabytes, while a greeted client still may send one."""
+    padded = frame(0, "hello", {"version": P.PROTOCOL_VERSION, "pad": "x" * (P.MAX_HELLO_FRAME_BYTES + 1)})
+    peer = RawPeer(shared.socket, greet=False)
+    peer.send(padded[: P.HEADER.size])  # the header alone is enough to refuse it
+    message = peer.read()
+    assert message["error"]["code"] == P.BAD_FRAME
+    assert str(P.MAX_HELLO_FRAME_BYTES) in message["error"]["message"]
+    assert peer.read() is None  # closed
+    peer.close()
+    peer = RawPeer(shared.socket)  # greeted: a large frame is read as before
+    long_prefix = "# " + "x" * 200_000 + "\n" + FIM["prefix"]
+    peer.send(frame(1, "complete", dict(FIM, prefix=long_prefix, max_tokens=1)))
+    while "delta" in (message := peer.read()):
+        pass
+    assert message["result"]["finish_reason"] in ("length", "eos", "stop")
+    peer.close()
+
+
+async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(embedded):
+    """A peer that leaves mid-build cancels the task awaiting the build, not the build: its slot
+    is given back only when the build's thread is done, so no more than `prompt_builders`
+    prompts are ever tokenized at once, however many peers come and go."""
+    from engine.server import EngineServer, ServeOptions
+
+    _, tok = embedded
+    server = EngineServer(SimpleNamespace(tokenizer=tok), default_model_dir(),
+                          ServeOptions(socket_path=Path("unused.sock"), prompt_builders=2))
+    lock, release = threading.Lock(), threading.Event()
+    started: list[int] = []
+    state = {"now": 0, "most": 0}
+
+    def slow_build(i):
+        with lock:
+            started.append(i)
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        release.wait(30)
+        with lock:
+            state["now"] -= 1
+        return [i], ""
+
+    server._build_prompt = slow_build
+    tasks = [asyncio.ensure_future(server.build_prompt(i)) for i in range(5)]
+    cancelled: set[int] = set()
+    deadline = time.monotonic() + 2  # a build let through would start within milliseconds
+    while time.monotonic() < deadline:
+        for i in set(started) - cancelled:  # each peer leaves once its build runs
+            tasks[i].cancel()
+            cancelled.add(i)
+        await asyncio.sleep(0.01)
+    print(f"\nbuilds started while their peers left: {sorted(started)}; at most {state['most']} at once")
+    assert state["most"] <= 2 and len(started) == 2
+    release.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for i, r in enumerate(results) if i in cancelled)
+    assert [r for i, r in enumerate(results) if i not in cancelled] == [([i], "") for i in range(5)
+                                                                         if i not in cancelled]
+    assert state["most"] <= 2
+    assert await asyncio.wait_for(server.build_prompt(9), 10) == ([9], "")  # every slot came back
 
 
 # -- the socket's path ---------------------------------------------------------------------------
@@ -499,25 +584,43 @@ def test_a_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path, monkeypatch)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
     stale.close()  # the file stays, nobody listens: what a crash leaves
-    listener = bind_socket(path)
-    listener.listen()
-    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    listener, identity = bind_socket(path)
+    assert oct(path.lstat().st_mode & 0o777) == oct(0o600)  # from the umask: no chmod
     with pytest.raises(RuntimeError, match="already listening"):
         bind_socket(path)
-    assert _listening(path)
+    assert _listening(path) and (path.lstat().st_dev, path.lstat().st_ino) == identity
     listener.close()
 
 
-def test_the_default_runtime_directory_must_be_private(tmp_path, monkeypatch):
+def test_a_bound_socket_listens_at_once_so_another_engine_never_takes_it_for_stale(tmp_path):
+    """Between bind() and listen() a connect is refused, which another engine starting takes
+    for a crashed one's leftover: it would unlink the socket, and the first engine, recording
+    the path's identity later, would then own (and at its end delete) the newcomer's."""
+    from engine.server import bind_socket, prepare_socket_path, remove_own_socket
+
+    path = tmp_path / "engine.sock"
+    listener, identity = bind_socket(path)
+    with pytest.raises(RuntimeError, match="already listening"):
+        prepare_socket_path(path)  # what a second `serve` does first
+    info = path.lstat()
+    assert (info.st_dev, info.st_ino) == identity
+    listener.close()
+    remove_own_socket(path, identity)
+    assert not path.exists()
+
+
+def test_the_default_socket_path_is_in_a_private_runtime_directory(tmp_path, monkeypatch):
+    """The daemon's default socket path comes from paths.socket_path(), which creates the
+    runtime directory 0700 and refuses one that is not this user's own directory."""
     from engine import paths
-    from engine.server import UnsafeSocketPath, prepare_socket_path
 
     run = tmp_path / "run"
     monkeypatch.setenv("WD_ENGINE_DIR", str(run))
-    prepare_socket_path(paths.runtime_dir() / "engine.sock")  # created 0700: fine
+    assert paths.socket_path() == run / "engine.sock"
+    assert run.lstat().st_mode & 0o777 == 0o700
     real = tmp_path / "elsewhere"
     real.mkdir(mode=0o700)
     run.rmdir()
     run.symlink_to(real)  # a link where the directory should be is refused, not followed
-    with pytest.raises((UnsafeSocketPath, paths.UnsafeRuntimeDir)):
-        prepare_socket_path(run / "engine.sock")
+    with pytest.raises(paths.UnsafeRuntimeDir):
+        paths.socket_path()

@@ -273,3 +273,73 @@ def test_request_as_large_as_the_pool_recomputes_a_partial_hit(tiny):
     assert done.kind == "done" and done.usage["completion_tokens"] == 5
     assert done.usage["cached_tokens"] == 4  # the whole block only
     engine.allocator.check_invariants()
+
+
+def _by_id(engine, request_id):
+    return next(a for a in engine.running + engine.waiting if a.request.id == request_id)
+
+
+def test_a_lone_owner_is_held_back_neither_by_its_share_nor_by_its_own_warm_up(tiny):
+    """The pool share binds only while another owner is there, and counts no warm-up: alone, the
+    LSP's completions start at once beside its own warm-up on a small pool."""
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8, prefill_chunk=8)
+    assert engine.owner_block_limit == 16
+    prompt = tok.encode(CODE)  # 89 tokens: 12 blocks
+    engine.submit(Request(prompt, warm_only=True, owner="lsp", id="warm"), lambda e: None)
+    engine.step()
+    for i in range(3):  # 41 + 16 tokens: 8 blocks each, 36 with the warm-up's, of 64
+        request = Request(prompt[:40] + [i], max_tokens=16, owner="lsp", id=f"complete{i}")
+        engine.submit(request, lambda e: None)
+    engine.step()
+    assert {a.request.id for a in engine.running} == {"warm", "complete0", "complete1", "complete2"}
+    assert not engine.waiting and not _by_id(engine, "warm").decoding  # nothing preempted
+    engine.run_until_idle()
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("warm_owner", ["lsp", "other"])
+def test_a_completion_preempts_warm_ups_for_blocks_its_own_owners_too(tiny, warm_owner):
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=16, block_size=8, prefill_chunk=8)  # a share of 4 blocks
+    done = {}
+
+    def record(event):
+        if event.kind != "delta":
+            done[event.request_id] = event
+
+    engine.submit(Request(tok.encode(CODE), warm_only=True, owner=warm_owner, id="warm"), record)  # 12 blocks
+    engine.step()
+    completion = Request(tok.encode(CODE.upper())[:40], max_tokens=16, stop_at_eos=False, owner="lsp",
+                         id="complete")  # 7 blocks: more than are free
+    engine.submit(completion, record)
+    engine.step()
+    assert done["warm"].finish_reason == "preempted"
+    assert [a.request.id for a in engine.running] == ["complete"]
+    engine.run_until_idle()
+    assert done["complete"].kind == "done" and done["complete"].usage["completion_tokens"] == 16
+
+
+def test_requests_without_an_owner_are_prefilled_first_come_first_served(tiny):
+    """The CLI's, evals' and benchmarks' requests share one fairness key: none takes turns with
+    an earlier one's prefill, and a new arrival waits behind the prefills already running."""
+    model, tok = tiny
+    engine = Engine(model, tok, num_blocks=64, block_size=8, prefill_chunk=8)
+    texts = {"first": CODE, "second": CODE.upper(), "third": CODE.swapcase()[::-1]}
+    def submit(name):
+        request = Request(tok.encode(texts[name]), max_tokens=20, stop_at_eos=False, id=name)
+        engine.submit(request, lambda e: None)
+
+    submit("first")
+    submit("second")
+    engine.step()
+    while not _by_id(engine, "first").decoding:
+        assert _by_id(engine, "second").computed == 0
+        engine.step()
+    submit("third")
+    engine.step()
+    while not _by_id(engine, "second").decoding:
+        assert _by_id(engine, "third").computed == 0
+        engine.step()
+    engine.run_until_idle()
+    assert engine.stats()["blocks_used"] == 0

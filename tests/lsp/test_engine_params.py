@@ -16,7 +16,7 @@ class RecordingClient:
     def __init__(self):
         self.params = []
 
-    async def complete(self, params):
+    async def complete(self, params, reconnect=True):
         self.params.append(params)
         return OneLine()
 
@@ -67,7 +67,7 @@ def test_bad_beam_settings_are_ignored_with_a_warning():
 class OldEngine(RecordingClient):
     """An engine daemon started by an older wd-lsp: it refuses the 'beams' parameter."""
 
-    async def complete(self, params):
+    async def complete(self, params, reconnect=True):
         self.params.append(dict(params))
         if "beams" in params:
             raise EngineError("bad_request", "unknown parameters: beams")

@@ -15,6 +15,12 @@ MODULES = [
     "wd_lsp.shape",
     "wd_lsp.postprocess",
     "wd_lsp.workspace",
+    "wd_lsp.__main__",
+    "wd_lsp.engine_link",
+    "wd_lsp.transport",
+    "wd_lsp.server",
+    "engine.client",
+    "engine.paths",
 ]
 
 

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -321,12 +322,11 @@ def engine_env(tmp_path_factory):
     env = dict(os.environ, WD_ENGINE_DIR=str(tmp / "run"), XDG_STATE_HOME=str(tmp / "state"),
                WD_LSP_MODEL=str(default_model_dir()), WD_ENGINE_IDLE_TIMEOUT="60")
     yield env
-    os.environ["WD_ENGINE_DIR"] = env["WD_ENGINE_DIR"]  # the client reads it for the socket path
 
     async def stop():
         try:
-            engine = EngineClient()
-            await engine.request("shutdown")
+            engine = EngineClient(socket_path=Path(env["WD_ENGINE_DIR"]) / "engine.sock")
+            await engine.request("shutdown", timeout=10)
             await engine.close()
         except Exception:  # noqa: BLE001 - already gone
             pass
@@ -415,11 +415,15 @@ async def test_utf8_client_gets_ranges_in_bytes(engine_env):
         await client.shutdown_session()
 
 
-async def test_lone_surrogate_in_the_document_still_completes(engine_env):
+@pytest.mark.parametrize("where", ["text", "uri"])
+async def test_lone_surrogate_in_the_document_still_completes(engine_env, where):
     client = await start_client(engine_env)
     try:
-        uri = "file:///project/surrogate.py"
-        text = PY.replace("import os\n", 'import os\n\nMARK = "\ud800"\n')
+        if where == "text":
+            uri = "file:///project/surrogate.py"
+            text = PY.replace("import os\n", 'import os\n\nMARK = "\ud800"\n')
+        else:  # the key the engine schedules by holds the uri: the request must still be sent
+            uri, text = "file:///project/surr\udc80ogate.py", PY
         open_doc(client, uri, text)
         state = await client.workspace_execute_command_async(T.ExecuteCommandParams(
             command="wdLsp.documentState", arguments=[uri, True]))

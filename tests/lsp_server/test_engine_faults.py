@@ -2,7 +2,8 @@
 spawn lock held by another editor, something that is not a socket at the socket path: each gives
 empty completions within the request timeout and one logged reason, and the server recovers once
 the fault is gone. Real processes (the language server, the engine daemon with the embedded model);
-the link's own policies (backoff, shared connect, guard) also with stand-in clients."""
+the link's own policies (backoff, shared connect, guard, what it sends on which connection) also
+with stand-in clients and a stand-in engine."""
 
 import asyncio
 import itertools
@@ -11,14 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from lsprotocol import types as T
 from pytest_lsp import ClientServerConfig
 
+from engine import protocol as P
 from engine.client import (
-    EngineClient, EngineStarting, EngineTimeout, EngineUnavailable, SpawnFailed, spawn_lock_path,
+    LOCK_HELD_MESSAGE, EngineClient, EngineError, EngineStarting, EngineTimeout, EngineUnavailable,
+    SpawnFailed, spawn_lock_path,
 )
 from engine.models import default_model_dir
 from wd_lsp import engine_link
@@ -27,7 +31,10 @@ from wd_lsp.engine_link import EngineLink
 from wd_lsp.shape import StopRules
 
 TIMEOUT_MS = 1500
-BOUND_S = TIMEOUT_MS / 1000 + 1.0  # what the issue allows a completion from a stuck engine
+GUARD_S = TIMEOUT_MS / 1000 + engine_link.CLIENT_GRACE_S  # the longest a completion waits on the engine
+# What a completion from a stuck engine may take, with room for the LSP round trip on a loaded
+# machine: still far below the 10 s default timeout.
+BOUND_S = GUARD_S + 3.0
 PY = "import os\n\n\ndef list_files(root):\n    return sorted(os.listdir(root))\n\n\ndef main():\n    "
 DOC_NUMBERS = itertools.count()
 CAPS = T.ClientCapabilities(
@@ -68,10 +75,14 @@ async def start_lsp(env):
         await client.shutdown_session()
 
 
+def engine_at(environment, **kw) -> EngineClient:
+    """A client of the engine the servers under test use (it never starts one)."""
+    return EngineClient(socket_path=Path(environment["WD_ENGINE_DIR"]) / "engine.sock", **kw)
+
+
 async def _stop_engine(environment):
-    os.environ["WD_ENGINE_DIR"] = environment["WD_ENGINE_DIR"]  # the client reads it for the socket path
     try:
-        engine = EngineClient(connect_timeout_s=2.0)
+        engine = engine_at(environment, connect_timeout_s=2.0)
         await engine.request("shutdown", timeout=2.0)
         await engine.close()
     except Exception:  # noqa: BLE001 - already gone, or never started
@@ -79,8 +90,7 @@ async def _stop_engine(environment):
 
 
 async def engine_pid(environment) -> int:
-    os.environ["WD_ENGINE_DIR"] = environment["WD_ENGINE_DIR"]
-    engine = EngineClient()
+    engine = engine_at(environment)
     pid = (await engine.request("health", timeout=5.0))["pid"]
     await engine.close()
     return pid
@@ -144,7 +154,7 @@ async def test_a_stopped_engine_gives_empty_completions_and_status_in_bounded_ti
         started = time.monotonic()
         s = await status(lsp)
         print(f"status with a stopped engine: {time.monotonic() - started:.2f} s")
-        assert time.monotonic() - started < engine_link.STATS_TIMEOUT_S + 1.0
+        assert time.monotonic() - started < engine_link.STATS_TIMEOUT_S + 3.0
         assert s["engine"] == "error" and s["engineStats"] == {}
         assert len(logged(lsp, "did not answer within")) == 1  # once, not per keystroke
     finally:
@@ -166,7 +176,7 @@ async def test_a_held_spawn_lock_gives_empty_completions_until_its_holder_lets_g
             items, took = await timed_inline(lsp)
             print(f"completion while another process holds the spawn lock: {took:.2f} s")
             assert not items and took < BOUND_S
-        assert len(logged(lsp, "another editor holds the spawn lock")) == 1
+        assert len(logged(lsp, LOCK_HELD_MESSAGE)) == 1
         assert not env.log.exists()  # nothing was started meanwhile
     finally:
         holder.stdin.close()  # the holder exits: its lock goes with it
@@ -206,6 +216,10 @@ async def test_something_else_at_the_socket_path_is_named_and_left_alone(kind, e
 
 
 # -- the link's policies, with stand-in clients -----------------------------------------------
+CTX = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
+RULES = StopRules(multiline=True, max_lines=4)
+
+
 class Clock:
     def __init__(self):
         self.now = 1000.0
@@ -229,7 +243,7 @@ def make_link(monkeypatch, client_factory, **settings) -> tuple[EngineLink, list
 
 async def test_a_failed_spawn_backs_off_and_requests_are_answered_at_once(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(engine_link.time, "monotonic", clock)
+    monkeypatch.setattr(engine_link, "_now", clock)
     attempts = []
 
     class NeverStarts:
@@ -320,20 +334,284 @@ async def test_a_guard_timeout_sends_the_cancel_without_waiting_for_it(monkeypat
         connected = True
         hung = True
 
-        async def complete(self, params):
+        async def complete(self, params, reconnect=True):
             return Hung() if self.hung else Answers()
 
+        def disconnect(self):
+            self.connected = False
+
     client = Client()
+    monkeypatch.setattr(engine_link, "CLIENT_GRACE_S", 0.1)
     link, states = make_link(monkeypatch, lambda: client, requestTimeoutMs=100)
     link.client = client
-    ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
-    rules = StopRules(multiline=True, max_lines=4)
     for _ in range(2):
         with pytest.raises(EngineTimeout):
-            await link.complete(ctx, rules, "doc")
+            await link.complete(CTX, RULES, "doc")
     await asyncio.sleep(0)
     assert len(cancels) == 2  # sent in the background, never awaited
     assert [s for s, _ in states] == ["error"]  # said once
     client.hung = False
-    assert (await link.complete(ctx, rules, "doc")).text == "x = 1"
+    assert (await link.complete(CTX, RULES, "doc")).text == "x = 1"
     assert link.state == "ready"
+    # The cancels an engine never acknowledges go with the connection, not with the process.
+    unanswered = list(link._background)
+    assert len(unanswered) == 2
+    link.disconnect()
+    async with asyncio.timeout(5):
+        await asyncio.gather(*unanswered, return_exceptions=True)
+    assert all(task.cancelled() for task in unanswered) and not link._background
+
+
+async def test_while_the_model_loads_only_the_first_request_waits_the_timeout(monkeypatch):
+    """Clients that wait for the completion before showing their menu must not hang on every
+    keystroke while a big model loads; a model that loads within the timeout answers at once."""
+    load_s = [0.3]
+    loaded = asyncio.Event()
+
+    class Loading:
+        connected = False
+
+        async def connect(self):
+            link._progress("loading the model (1 s)")
+            try:
+                async with asyncio.timeout(load_s[0]):
+                    await loaded.wait()
+            except TimeoutError:
+                pass
+            self.connected = True
+            return {"model": {"name": "tiny"}}
+
+        def disconnect(self):
+            self.connected = False
+
+    link, states = make_link(monkeypatch, Loading, requestTimeoutMs=1000)
+    assert (await link.ensure_connected()).connected  # loads within the timeout: the first one waits
+    link.disconnect()
+    load_s[0] = 3600.0
+    started = time.monotonic()
+    with pytest.raises(EngineStarting, match="loading the model"):
+        await link.ensure_connected()
+    assert time.monotonic() - started >= 0.9  # the first request waits the whole timeout
+    for _ in range(5):  # later ones only glance at the loading engine
+        started = time.monotonic()
+        with pytest.raises(EngineStarting, match="loading the model"):
+            await link.complete(CTX, RULES, "doc")
+        assert time.monotonic() - started < 0.6
+    loaded.set()
+    assert (await link.ensure_connected(wait_s=5.0)).connected and link.state == "ready"
+    link.disconnect()
+
+
+class StandInEngine:
+    """A Unix socket that answers like an engine: the hello always, the rest only while
+    `answering` (a delta and a result for `complete`, an empty result otherwise). Records frames."""
+
+    def __init__(self, path: Path):
+        self.path, self.frames, self.answering = path, [], True
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _serve(self, reader, writer):
+        try:
+            while (frame := await P.read_frame(reader)) is not None:
+                self.frames.append(frame)
+                for answer in self._answers(frame):
+                    writer.write(P.encode_frame(answer))
+                await writer.drain()
+        except (ConnectionError, P.FrameError, asyncio.CancelledError):  # cancelled: the test is over
+            pass
+        finally:
+            writer.close()
+
+    def _answers(self, frame: dict) -> list[dict]:
+        if frame["method"] == "hello":
+            return [{"id": frame["id"], "result": {"model": {"name": "stand-in"}}}]
+        if not self.answering:
+            return []
+        if frame["method"] == "complete":
+            return [{"id": frame["id"], "delta": "x = 1"}, {"id": frame["id"], "result": {}}]
+        return [{"id": frame["id"], "result": {}}]
+
+
+def stand_in_link(path: Path, timeout_ms: int = 300) -> EngineLink:
+    link = EngineLink(lambda state, message: None, lambda message: None)
+    link.configure(merge_settings(Settings(), {"engine": {"socket": str(path), "autoStart": False},
+                                               "requestTimeoutMs": timeout_ms}))
+    return link
+
+
+async def test_warm_and_stats_on_a_silent_engine_raise_engine_timeout(tmp_path):
+    async with StandInEngine(tmp_path / "engine.sock") as engine:
+        link = stand_in_link(engine.path)
+        await link.ensure_connected()
+        engine.answering = False
+        for call, bound_s in ((link.warm(CTX, "doc"), 0.3), (link.stats(), engine_link.STATS_TIMEOUT_S)):
+            started = time.monotonic()
+            with pytest.raises(EngineTimeout):  # what the server's handlers catch: no stray TimeoutError
+                await call
+            assert time.monotonic() - started < bound_s + 3.0
+        assert link.client.connected  # a slow answer is no lost connection
+        link.disconnect()
+
+
+async def test_a_lone_surrogate_in_the_document_uri_still_completes(tmp_path):
+    async with StandInEngine(tmp_path / "engine.sock") as engine:
+        link = stand_in_link(engine.path, timeout_ms=5000)
+        key = "inst:file:///p/caf\udce9.py"
+        assert (await link.complete(CTX, RULES, key)).text == "x = 1"
+        await link.warm(CTX, key)
+        sent = [f["params"]["client"] for f in engine.frames if f["method"] in ("complete", "warm")]
+        assert sent == ["inst:file:///p/caf\ufffd.py"] * 2
+        link.disconnect()
+
+
+async def test_an_unsendable_request_is_an_error_and_keeps_the_connection(tmp_path):
+    async with StandInEngine(tmp_path / "engine.sock") as engine:
+        client = EngineClient(socket_path=engine.path)
+        await client.connect()
+        with pytest.raises(EngineError, match="cannot be encoded"):
+            await client.complete({"prefix": "\ud800", "suffix": ""})
+        with pytest.raises(EngineError, match="limit"):
+            await client.request("warm", {"prefix": "x" * (P.MAX_FRAME_BYTES + 1)})
+        assert client.connected and client._pending == {}
+        assert await client.request("stats") == {}
+        await client.close()
+
+
+class Recording:
+    """A stand-in client that records each call and whether it was allowed to reconnect."""
+
+    def __init__(self, calls: list, connect_gate: asyncio.Event | None = None):
+        self.calls, self.gate, self.connected, self.dropped = calls, connect_gate, False, False
+
+    async def connect(self):
+        self.calls.append((self, "connect"))
+        if self.gate is not None:
+            await self.gate.wait()
+        self.connected = True
+        return {"model": {"name": "tiny"}}
+
+    async def complete(self, params, reconnect=True):
+        self.calls.append((self, "complete", reconnect))
+        return Answer()
+
+    async def request(self, method, params=None, timeout=None, reconnect=True):
+        self.calls.append((self, method, reconnect))
+        return {}
+
+    async def warm(self, params, timeout=None, reconnect=True):
+        self.calls.append((self, "warm", reconnect))
+        return {}
+
+    def disconnect(self):
+        self.connected, self.dropped = False, True
+
+    async def close(self):
+        self.disconnect()
+
+
+class Answer:
+    result = {}
+
+    async def __aiter__(self):
+        yield "x = 1"
+
+
+async def test_only_the_shared_connect_task_connects(monkeypatch):
+    calls = []
+    link, _ = make_link(monkeypatch, lambda: Recording(calls))
+    await link.ensure_connected()
+    await link.complete(CTX, RULES, "doc")
+    await link.warm(CTX, "doc")
+    await link.stats()
+    await link.restart()
+    assert [call[1:] for call in calls] == [
+        ("connect",), ("complete", False), ("warm", False), ("stats", False), ("shutdown", False),
+        ("connect",)]
+
+
+async def test_a_failure_on_a_replaced_client_leaves_the_new_one_alone(monkeypatch):
+    calls, gate, clients = [], asyncio.Event(), []
+
+    def make():
+        clients.append(Recording(calls, gate if clients else None))
+        return clients[-1]
+
+    link, states = make_link(monkeypatch, make)
+    old = await link.ensure_connected()
+    deaths = [asyncio.Event() for _ in range(3)]
+
+    class Dies:
+        result = None
+
+        def __init__(self, death: asyncio.Event):
+            self.death = death
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await self.death.wait()
+            raise EngineUnavailable("the engine closed the connection")
+
+    async def dying_complete(params, reconnect=True):
+        return Dies(deaths[len(streams) - 1])
+
+    streams = []
+    old.complete = lambda params, reconnect=True: streams.append(1) or dying_complete(params)
+
+    async def completion_on_old():
+        task = asyncio.ensure_future(link.complete(CTX, RULES, "doc"))
+        await asyncio.sleep(0.01)  # it waits for the engine's answer on the old connection
+        return task
+
+    first, second, third = [await completion_on_old() for _ in range(3)]
+    deaths[0].set()  # the old connection dies: the link drops it
+    with pytest.raises(EngineUnavailable):
+        await first
+    assert link.client is None and old.dropped
+    with pytest.raises(EngineStarting):  # a new client starts connecting
+        await link.ensure_connected(wait_s=0.01)
+    new = link.client
+    assert new is not old and not link._connect_task.done()
+    deaths[1].set()  # another completion on the old connection fails only now
+    with pytest.raises(EngineUnavailable):
+        await second
+    assert link.client is new and not new.dropped
+    gate.set()
+    assert await link.ensure_connected(wait_s=1.0) is new and link.state == "ready"
+    deaths[2].set()  # and once the new one is connected, old news does not touch it either
+    with pytest.raises(EngineUnavailable):
+        await third
+    assert link.client is new and not new.dropped and link.state == "ready"
+    link.disconnect()
+
+
+async def test_disconnect_cancels_a_scheduled_reconnect(monkeypatch):
+    connects = []
+
+    class Refused:
+        connected = False
+
+        async def connect(self):
+            connects.append(1)
+            raise EngineUnavailable("no engine at the socket")
+
+        def disconnect(self):
+            pass
+
+    link = EngineLink(lambda state, message: None, lambda message: None)
+    link.configure(merge_settings(Settings(), {}))
+    monkeypatch.setattr(link, "_make_client", Refused)
+    with pytest.raises(EngineUnavailable):
+        await link.ensure_connected()
+    restart = link._restart_task
+    assert restart is not None and not restart.done()  # a reconnect is scheduled
+    link.disconnect()  # as `shutdown` and `exit` do
+    await asyncio.sleep(engine_link.RESTART_DELAY_S + 0.5)
+    assert restart.cancelled() and len(connects) == 1

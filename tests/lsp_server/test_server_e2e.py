@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from lsprotocol import types as T
@@ -63,20 +64,23 @@ async def lsp(tmp_path):
     await _stop_engine(env)
 
 
+def engine_at(env) -> EngineClient:
+    """A client of the engine the server under test uses (it never starts one)."""
+    return EngineClient(socket_path=Path(env["WD_ENGINE_DIR"]) / "engine.sock")
+
+
 async def _stop_engine(env):
-    os.environ.update(WD_ENGINE_DIR=env["WD_ENGINE_DIR"])  # the client reads it for the socket path
     try:
-        engine = EngineClient()
-        await engine.request("shutdown")
+        engine = engine_at(env)
+        await engine.request("shutdown", timeout=10)
         await engine.close()
     except Exception:  # noqa: BLE001 - already gone
         pass
 
 
 async def engine_pid(env):
-    os.environ.update(WD_ENGINE_DIR=env["WD_ENGINE_DIR"])
-    engine = EngineClient()
-    pid = (await engine.request("health"))["pid"]
+    engine = engine_at(env)
+    pid = (await engine.request("health", timeout=10))["pid"]
     await engine.close()
     return pid
 

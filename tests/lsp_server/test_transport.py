@@ -12,8 +12,10 @@ import json
 import logging
 import os
 import queue
+import random
 import re
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -279,8 +281,12 @@ def test_requests_after_shutdown_get_invalid_request(server):
     assert server.response(2)["error"]["code"] == -32600
     server.send(request(3, "noSuch/method", {}))
     assert server.response(3)["error"]["code"] == -32600
+    server.send(frame(encode({"jsonrpc": "2.0", "id": 99, "result": None})))  # a late response
+    server.send(notification("textDocument/didClose", {"textDocument": {"uri": "file:///a.py"}}))
     server.send(notification("exit"))
     assert server.exit_code() == 0
+    assert "notification 'textDocument/didClose' after shutdown: ignored" in server.log()
+    assert "None after shutdown" not in server.log()
 
 
 def test_exit_without_shutdown_exits_1(server):
@@ -321,6 +327,29 @@ def _logged_port(process: ServerProcess) -> int:
             break
         threading.Event().wait(0.05)
     pytest.fail(f"the server did not log its port; log:\n{process.log()}")
+
+
+# -- the server's log ----------------------------------------------------------------------------
+def test_the_log_file_is_private(server):
+    server.answers(1)  # the log may hold requests' params, document text included
+    server.send(request(2, "shutdown", None) + notification("exit"))
+    assert server.exit_code() == 0 and "exit (code 0)" in server.log()
+    assert stat.S_IMODE(os.lstat(server.log_path).st_mode) == 0o600
+
+
+def test_the_log_is_never_written_through_a_symlink(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / "server.log").symlink_to(target)
+    process = ServerProcess(tmp_path)
+    try:
+        process.initialize()  # it serves, logging to stderr instead
+        process.answers(1)
+        process.send(request(2, "shutdown", None) + notification("exit"))  # both logged
+        assert process.exit_code() == 0
+    finally:
+        process.close()
+    assert target.read_text() == "keep me\n" and (tmp_path / "server.log").is_symlink()
 
 
 # -- the framer in process ------------------------------------------------------------------------
@@ -382,3 +411,90 @@ def test_framer_hunts_through_a_lying_length_in_bounded_memory():
     finally:
         tracemalloc.stop()
     assert peak < 16 * CHUNK_BYTES
+
+
+def over_declared(body: bytes, extra: int) -> bytes:
+    """`body` framed with a Content-Length `extra` bytes too long."""
+    return b"Content-Length: %d\r\n\r\n" % (len(body) + extra) + body
+
+
+def test_framer_keeps_the_next_header_whole_when_a_length_ends_inside_it():
+    # The declared length ends 5 bytes into the next header line, and the first read stops 12
+    # bytes into it: the body must not take the header's first bytes and lose the message.
+    stream = over_declared(A, 5) + frame(B) + frame(C)
+    split = len(stream) - len(frame(B) + frame(C)) + 12
+    assert _framed([stream[:split], stream[split:]]) == [A, B, C]
+
+
+@pytest.mark.parametrize("body", [
+    A, b"{}\r\n", b'{"text": "}Content-Le"}', b'["x", "]content-length: 12"]', b'"}content-type: a"',
+])
+def test_framer_never_waits_for_more_after_a_complete_valid_body(body):
+    async def first_body() -> bytes:
+        chunks = [frame(body)]
+
+        async def read() -> bytes:
+            if chunks:
+                return chunks.pop(0)
+            await asyncio.Event().wait()  # the client waits for an answer: nothing more comes
+
+        async with asyncio.timeout(HANG_GUARD_S):
+            return await Framer(read).next_body()
+
+    assert asyncio.run(first_body()) == body
+
+
+def _faulty_streams() -> list[tuple[str, bytes, list[bytes]]]:
+    """(fault, stream, the bodies expected of it): a faulty message, then B and C well framed."""
+    typed_b = b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n" + frame(B)
+    cases = [(f"over by {d}", over_declared(A, d) + frame(B) + frame(C), [A, B, C])
+             for d in range(1, len(frame(B)) - len(B) + 8)]
+    cases += [(f"over by {d}, Content-Type first", over_declared(A, d) + typed_b + frame(C), None)
+              for d in range(1, len(typed_b) - len(B) + 8)]
+    cases += [(f"under by {d}", over_declared(A, -d) + frame(B) + frame(C), [A[:-d], B, C])
+              for d in (1, 2, 10, 40)]
+    cases += [(f"garbage {junk!r}", frame(A) + junk + frame(B) + frame(C), [A, B, C])
+              for junk in (b"junk\r\n", b"Content-Length: abc\r\n\r\n",
+                           b"Content-Length: 99999999999\r\n\r\n", b"content-le", b"}Content-Le\r\n")]
+    return cases
+
+
+def _split_runs(stream: bytes, rng: random.Random) -> list[list[bytes]]:
+    """The stream read 1 byte at a time, in two pieces at every point, and in random pieces."""
+    runs = [[stream[i:i + 1] for i in range(len(stream))]]
+    runs += [[stream[:i], stream[i:]] for i in range(1, len(stream))]
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 12)))
+        runs.append([stream[i:j] for i, j in zip([0, *cuts], [*cuts, len(stream)])])
+    return runs
+
+
+def test_framer_delivers_every_valid_message_after_a_faulty_one_however_the_reads_split():
+    rng = random.Random(20261204)
+    failures = []
+    for fault, stream, expected in _faulty_streams():
+        runs = _split_runs(stream, rng)
+        for chunks, bodies in zip(runs, _framed_many(runs, max_body=1000)):
+            good = bodies == expected if expected else bodies[-2:] == [B, C] and bodies[0].startswith(A)
+            if not good:
+                failures.append((fault, f"{len(chunks)} reads", bodies))
+    assert not failures, f"{len(failures)} runs lost a message; first: {failures[0]}"
+
+
+def _framed_many(runs: list[list[bytes]], max_body: int) -> list[list[bytes]]:
+    """What the framer makes of each run of chunks, all in one event loop."""
+    async def one(chunks: list[bytes]) -> list[bytes]:
+        pending = list(chunks)
+
+        async def read() -> bytes:
+            return pending.pop(0) if pending else b""
+
+        framer, out = Framer(read, max_body=max_body), []
+        while (body := await framer.next_body()) is not None:
+            out.append(body)
+        return out
+
+    async def run_all() -> list[list[bytes]]:
+        return [await one(chunks) for chunks in runs]
+
+    return asyncio.run(run_all())

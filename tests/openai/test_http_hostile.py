@@ -12,11 +12,12 @@ import socket
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from engine.openai_http import MAX_BODY_BYTES
+from engine.openai_http import HTTP_OWNER, MAX_BODY_BYTES, HttpOptions, OpenAIFrontend
 
 GOOD = {"prompt": "def add(a, b):\n    return", "max_tokens": 2, "temperature": 0}
 
@@ -90,6 +91,11 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
     return int(lines[0].split()[1]), body
 
 
+def http_inflight(http_engine) -> int:
+    """HTTP requests the daemon is answering, from its stats over the msgpack socket."""
+    return asyncio.run(http_engine.stats())["http_inflight"]
+
+
 def wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -154,8 +160,12 @@ def test_a_streamed_body_over_the_cap_is_413(http_engine):
 
 
 def test_a_client_that_leaves_inside_the_body_disturbs_nothing(http_engine):
+    """The request is seen in flight, the client leaves, and the daemon ends the request (the
+    log is then checked for a traceback, and a normal request must work)."""
     with socket.create_connection(("127.0.0.1", port(http_engine)), timeout=30) as sock:
         sock.sendall(raw_head(http_engine, "Content-Length: 1000\r\n") + b'{"prompt": "')
+        wait_for(lambda: http_inflight(http_engine) == 1)  # its handler waits for the rest
+    wait_for(lambda: http_inflight(http_engine) == 0)  # the disconnect is handled
 
 
 # -- fields of the wrong type or out of range -------------------------------------------------------
@@ -264,3 +274,89 @@ def test_a_streaming_client_that_resets_the_connection_cancels_its_request(http_
     wait_for(lambda: stats()["cancelled"] == before + 1)
     after = asyncio.run(http_engine.wait_idle())
     assert after["running"] == 0 and after["waiting"] == 0
+
+
+# -- fairness: one owner, a cap on requests in flight ----------------------------------------------
+def test_requests_over_the_http_cap_are_429_in_openai_shape(http_engine):
+    """With the cap of streams in flight, one more is refused at once, and the cap frees as
+    they end (their clients reset the connections)."""
+    cap = HttpOptions().max_requests
+    body = json.dumps(GOOD | {"model": http_engine.model, "max_tokens": 400, "ignore_eos": True,
+                              "stream": True}).encode()
+    socks = []
+    try:
+        for _ in range(cap):
+            sock = socket.create_connection(("127.0.0.1", port(http_engine)), timeout=30)
+            socks.append(sock)
+            sock.sendall(raw_head(http_engine, f"Content-Length: {len(body)}\r\n") + body)
+        for sock in socks:
+            seen = b""
+            while b"data: " not in seen:  # streaming has begun
+                chunk = sock.recv(65536)
+                assert chunk
+                seen += chunk
+        error = assert_openai_error(post_json(http_engine, GOOD), 429)
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    finally:
+        for sock in socks:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+    wait_for(lambda: http_inflight(http_engine) == 0)
+    asyncio.run(http_engine.wait_idle())
+
+
+class HangingEngine:
+    """Takes requests and never answers: they stay in flight until their clients go."""
+
+    def __init__(self):
+        self.requests, self.cancelled = [], []
+        self.tokenizer = SimpleNamespace(vocab_size=100)
+        self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))
+
+    def submit(self, request, on_event):
+        self.requests.append(request)
+
+    def cancel(self, request_id, reason="cancelled"):
+        self.cancelled.append(request_id)
+
+
+async def test_http_requests_share_one_owner_and_a_cap_on_those_in_flight():
+    """Parallel HTTP requests are one client to the engine (one turn, one share of the pool, as
+    a connection), not one each; past `max_requests` in flight they get 429."""
+    engine = HangingEngine()
+
+    async def build_prompt(p):
+        return [1, 2, 3], ""
+
+    server = SimpleNamespace(engine=engine, draining=False, model_dir=Path("stub-model"),
+                             last_client_seen=time.monotonic(), build_prompt=build_prompt)
+    frontend = OpenAIFrontend(server, HttpOptions(token="t0ken", max_requests=3))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app), base_url="http://test")
+    headers = {"Authorization": "Bearer t0ken"}
+
+    def post():
+        return asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x"}, headers=headers))
+
+    async def submitted(n):
+        async with asyncio.timeout(20):
+            while len(engine.requests) < n:
+                await asyncio.sleep(0.01)
+
+    pending = [post() for _ in range(3)]
+    await submitted(3)
+    assert {r.owner for r in engine.requests} == {HTTP_OWNER}
+    refused = await client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    unauthorized = await client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "x"})
+    assert unauthorized.status_code == 401  # a refused token takes no place
+    for task in pending:  # their clients go: the engine's work is cancelled, the places freed
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    assert sorted(engine.cancelled) == sorted(r.id for r in engine.requests)
+    assert frontend.admitted == 0 and frontend.inflight == 0
+    again = post()
+    await submitted(4)
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
+    await client.aclose()
