@@ -557,6 +557,3 @@ def _kind(mode: int) -> str:
             return name
     return "a special file"
 
-
-def new_token() -> str:
-    return secrets.token_urlsafe(32)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import TokenFileError, read_token_file, runtime_token
+from engine.token_files import TokenFileError, read_token_file, runtime_token
 
 
 @pytest.fixture

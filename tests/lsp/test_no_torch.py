@@ -21,6 +21,7 @@ MODULES = [
     "wd_lsp.server",
     "engine.client",
     "engine.paths",
+    "engine.token_files",
 ]
 
 
