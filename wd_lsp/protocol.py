@@ -41,6 +41,17 @@ log = logging.getLogger(__name__)
 _DETAIL_CHARS = 300  # of a decoding error, in a response or a log line
 
 
+def _to_our_handler(method: str):
+    """A builtin for a text-sync notification that hands the params, untouched, to our handler."""
+
+    @lsp_method(method)
+    def builtin(self, params):
+        if (handler := self._user_handler(method)) is not None:
+            yield handler, (params,), None
+
+    return builtin
+
+
 class WdProtocol(LanguageServerProtocol):
     exit_code: int | None = None  # set by `exit`
     on_exit: Callable[[int], None] | None = None  # the transport's stop, given the exit code
@@ -48,20 +59,9 @@ class WdProtocol(LanguageServerProtocol):
     def _user_handler(self, method: str):
         return self.fm.features.get(method)
 
-    @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)
-    def lsp_text_document__did_open(self, params: types.DidOpenTextDocumentParams):
-        if (handler := self._user_handler(types.TEXT_DOCUMENT_DID_OPEN)) is not None:
-            yield handler, (params,), None
-
-    @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
-    def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams):
-        if (handler := self._user_handler(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
-            yield handler, (params,), None
-
-    @lsp_method(types.TEXT_DOCUMENT_DID_CLOSE)
-    def lsp_text_document__did_close(self, params: types.DidCloseTextDocumentParams):
-        if (handler := self._user_handler(types.TEXT_DOCUMENT_DID_CLOSE)) is not None:
-            yield handler, (params,), None
+    lsp_text_document__did_open = _to_our_handler(types.TEXT_DOCUMENT_DID_OPEN)
+    lsp_text_document__did_change = _to_our_handler(types.TEXT_DOCUMENT_DID_CHANGE)
+    lsp_text_document__did_close = _to_our_handler(types.TEXT_DOCUMENT_DID_CLOSE)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def lifecycle_exit_code(self) -> int:
