@@ -8,20 +8,20 @@ import sys
 import time
 from pathlib import Path
 
+from engine.ipc.token_files import TokenFileError, read_token_file, runtime_token
 from engine.models import default_model_dir
-from engine.token_files import TokenFileError, read_token_file, runtime_token
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _generate(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level, so `wd-engine --help` stays instant.
-    from engine.config import ModelFormatError
-    from engine.fim import FimUnsupported, build_fim_prompt, healed_text
-    from engine.generate import PromptTooLong, generate
-    from engine.loader import load_model
-    from engine.prompt_layout import supported_fim_orders
-    from engine.tokenizer import Tokenizer
+    from engine.core.generate import PromptTooLong, generate
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
+    from engine.model.config import ModelFormatError
+    from engine.prompts.fim import FimUnsupported, build_fim_prompt, healed_text
+    from engine.prompts.layout import supported_fim_orders
 
     model_dir = args.model or default_model_dir()
     try:
@@ -35,14 +35,21 @@ def _generate(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t0
         if args.fim_prefix is not None or args.fim_suffix is not None:
             order = args.fim_order
-            if order == "auto":  # the model's cache-friendly suffix-first order when it was trained with it
+            if (
+                order == "auto"
+            ):  # the model's cache-friendly suffix-first order when it was trained with it
                 order = "spm" if "spm" in supported_fim_orders(model_dir) else "psm"
-            prompt_ids = build_fim_prompt(tokenizer, args.fim_prefix or "", args.fim_suffix or "", order, heal=True)
+            prompt_ids = build_fim_prompt(
+                tokenizer, args.fim_prefix or "", args.fim_suffix or "", order, heal=True
+            )
             forced_text = healed_text(tokenizer, args.fim_prefix or "")
         elif args.prompt is not None:
             prompt_ids, forced_text = tokenizer.encode_prompt(args.prompt), ""
         else:
-            print("wd-engine generate: give --prompt TEXT or --fim-prefix/--fim-suffix", file=sys.stderr)
+            print(
+                "wd-engine generate: give --prompt TEXT or --fim-prefix/--fim-suffix",
+                file=sys.stderr,
+            )
             return 2
         stream = generate(
             model,
@@ -94,34 +101,42 @@ def _random_model(args: argparse.Namespace):
     """Random weights of a named shape (latency benchmarks only: the text is noise)."""
     import torch
 
-    from engine.random_model import random_model, shape_config
+    from engine.model.random_model import random_model, shape_config
 
     config = shape_config(args.random_shape, args.random_vocab_size)
     device = torch.device(args.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {
+        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
     model = random_model(config, dtype=dtype, device=device, seed=args.random_seed)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
     return model
 
 
-CPU_DECODE_WEIGHTS_HELP = ("weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
-                           "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as "
-                           "prefill does")
+CPU_DECODE_WEIGHTS_HELP = (
+    "weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
+    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as "
+    "prefill does"
+)
 
 
 def set_cpu_decode_weights(model, form: str | None) -> None:
-    """The weights the lean CPU decode step streams (engine.lone_matrices); None keeps the
+    """The weights the lean CPU decode step streams (engine.model.lone_matrices); None keeps the
     model's default. int8 needs torch's int8 product."""
     import logging
 
-    from engine.lone_matrices import int8_available
+    from engine.model.lone_matrices import int8_available
 
     if form is None:
         return
     if form == "int8" and not int8_available():
-        logging.getLogger("wd_engine").warning("this torch has no int8 weight-only product: CPU decode steps use fp32 weights")
+        logging.getLogger("wd_engine").warning(
+            "this torch has no int8 weight-only product: CPU decode steps use fp32 weights"
+        )
         form = "fp32"
     model.lone_weights = form
 
@@ -146,7 +161,7 @@ def set_moe_path(model, path: str) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine import paths
+    from engine.ipc import paths
 
     try:
         log = _setup_logging(args)
@@ -161,10 +176,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
     # torch only now: a daemon refused above exits without the seconds its import takes
-    from engine.loader import load_model
-    from engine.scheduler import Engine
-    from engine.server import EngineServer, ServeOptions
-    from engine.tokenizer import Tokenizer
+    from engine.core.scheduler import Engine
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
+    from engine.serve.daemon import EngineServer, ServeOptions
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     name = f"random {args.random_shape}" if args.random_shape else model_dir.name
@@ -177,26 +192,46 @@ def _serve(args: argparse.Namespace) -> int:
         set_moe_path(model, args.moe_path)
         set_cpu_decode_weights(model, args.cpu_decode_weights)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        log.info("loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)", name,
-                 1000 * (time.perf_counter() - t0), args.device, model.dtype, args.moe_path,
-                 model.lone_weights if model.lone_path_applies() else "unused")
+        log.info(
+            "loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)",
+            name,
+            1000 * (time.perf_counter() - t0),
+            args.device,
+            model.dtype,
+            args.moe_path,
+            model.lone_weights if model.lone_path_applies() else "unused",
+        )
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
         print(f"wd-engine: cannot load model {name}: {exc}", file=sys.stderr)
         return 1
-    salt = f"random:{args.random_shape}:{args.random_seed}" if args.random_shape else str(model_dir.resolve())
-    engine = Engine(model, tokenizer, block_size=args.block_size, kv_fp8=args.kv_fp8,
-                    kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device),
-                    prefill_chunk=args.prefill_chunk,
-                    salt=f"{salt}:{model.dtype}", prefix_cache=not args.no_prefix_cache,
-                    speculative=not args.no_speculative)
+    salt = (
+        f"random:{args.random_shape}:{args.random_seed}"
+        if args.random_shape
+        else str(model_dir.resolve())
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        block_size=args.block_size,
+        kv_fp8=args.kv_fp8,
+        kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device),
+        prefill_chunk=args.prefill_chunk,
+        salt=f"{salt}:{model.dtype}",
+        prefix_cache=not args.no_prefix_cache,
+        speculative=not args.no_speculative,
+    )
     idle_timeout = args.idle_timeout
     if idle_timeout is None:  # an HTTP server is started on purpose: it stays until stopped
         idle_timeout = float("inf") if http else 900.0
     options = ServeOptions(
         socket_path=Path(args.socket) if args.socket else paths.socket_path(),
-        tcp_host=args.tcp_host, tcp_port=args.tcp_port, token=token,
-        idle_timeout_s=idle_timeout, max_prompt_tokens=args.max_prompt_tokens, http=http,
+        tcp_host=args.tcp_host,
+        tcp_port=args.tcp_port,
+        token=token,
+        idle_timeout_s=idle_timeout,
+        max_prompt_tokens=args.max_prompt_tokens,
+        http=http,
     )
     try:
         asyncio.run(EngineServer(engine, model_dir, options).serve())
@@ -211,14 +246,17 @@ def _setup_logging(args: argparse.Namespace):
     """The daemon's log: created 0600 (in a 0700 dir by default), never written through a link."""
     import logging
 
-    from engine import paths
+    from engine.ipc import paths
 
     stream = paths.open_private_log(Path(args.log_file) if args.log_file else paths.log_path(), "a")
     handlers = [logging.StreamHandler(stream)]
     if args.foreground:
         handlers.append(logging.StreamHandler())
-    logging.basicConfig(level=logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        handlers=handlers,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
     return logging.getLogger("wd_engine")
 
 
@@ -237,17 +275,22 @@ def _tcp_token(args: argparse.Namespace, log) -> str:
 def _http_options(args: argparse.Namespace, log):
     """The OpenAI-compatible listener's address and bearer token (file, env, or the one kept
     owner-only in the runtime directory)."""
-    token = (read_token_file(Path(args.http_token_file)) if args.http_token_file
-             else os.environ.get("WD_ENGINE_HTTP_TOKEN"))
+    token = (
+        read_token_file(Path(args.http_token_file))
+        if args.http_token_file
+        else os.environ.get("WD_ENGINE_HTTP_TOKEN")
+    )
     if not token:
         token = _runtime_token("http.token", "http bearer token", log)
-    from engine.openai_http import HttpOptions  # torch, through engine.scheduler: once the token is settled
+    from engine.serve.openai_http import (
+        HttpOptions,
+    )  # torch, through engine.core.scheduler: once the token is settled
 
     return HttpOptions(host=args.http_host, port=args.http_port, token=token)
 
 
 def _runtime_token(name: str, what: str, log) -> str:
-    from engine import paths
+    from engine.ipc import paths
 
     path = paths.runtime_dir() / name
     token, written = runtime_token(path)
@@ -259,19 +302,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wd-engine", description="The wd-lsp inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete a prompt and print only the new text")
-    gen.add_argument("--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)")
+    gen.add_argument(
+        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
+    )
     gen.add_argument("--prompt", help="plain text prompt")
     gen.add_argument("--fim-prefix", help="text before the cursor (builds a FIM prompt)")
     gen.add_argument("--fim-suffix", help="text after the cursor (builds a FIM prompt)")
-    gen.add_argument("--fim-order", choices=("auto", "psm", "spm"), default="auto",
-                     help="auto: suffix-first (spm) when the model declares it, else psm")
+    gen.add_argument(
+        "--fim-order",
+        choices=("auto", "psm", "spm"),
+        default="auto",
+        help="auto: suffix-first (spm) when the model declares it, else psm",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--beams", type=int, default=1,
-                     help="beam search over this many hypotheses (greedy, CPU; meant for a single line)")
+    gen.add_argument(
+        "--beams",
+        type=int,
+        default=1,
+        help="beam search over this many hypotheses (greedy, CPU; meant for a single line)",
+    )
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
@@ -281,43 +334,91 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="run the resident engine daemon")
-    serve.add_argument("--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)")
+    serve.add_argument(
+        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
+    )
     serve.add_argument("--socket", help="Unix socket path (default: under $XDG_RUNTIME_DIR/wd-lsp)")
-    serve.add_argument("--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token")
-    serve.add_argument("--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)")
-    serve.add_argument("--token-file", help="owner-only file holding the TCP token "
-                       "(default: $WD_ENGINE_TOKEN, or the one kept in engine.token in the runtime dir)")
+    serve.add_argument(
+        "--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token"
+    )
+    serve.add_argument(
+        "--tcp-host", default="127.0.0.1", help="TCP bind address (default loopback only)"
+    )
+    serve.add_argument(
+        "--token-file",
+        help="owner-only file holding the TCP token "
+        "(default: $WD_ENGINE_TOKEN, or the one kept in engine.token in the runtime dir)",
+    )
     idle = os.environ.get("WD_ENGINE_IDLE_TIMEOUT")
-    serve.add_argument("--idle-timeout", type=float, default=float(idle) if idle else None,
-                       help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT; "
-                            "with --http-port: never)")
-    serve.add_argument("--http-port", type=int,
-                       help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port (0: any)")
-    serve.add_argument("--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)")
-    serve.add_argument("--http-token-file", help="owner-only file holding the HTTP bearer token "
-                       "(default: $WD_ENGINE_HTTP_TOKEN, or the one kept in http.token in the runtime dir)")
-    serve.add_argument("--kv-memory-mb", type=int,
-                       help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU)")
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=float(idle) if idle else None,
+        help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT; "
+        "with --http-port: never)",
+    )
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port (0: any)",
+    )
+    serve.add_argument(
+        "--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)"
+    )
+    serve.add_argument(
+        "--http-token-file",
+        help="owner-only file holding the HTTP bearer token "
+        "(default: $WD_ENGINE_HTTP_TOKEN, or the one kept in http.token in the runtime dir)",
+    )
+    serve.add_argument(
+        "--kv-memory-mb",
+        type=int,
+        help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU)",
+    )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    serve.add_argument("--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)")
-    serve.add_argument("--no-speculative", action="store_true",
-                       help="decode one token per step, no prompt-lookup drafts (for comparisons)")
-    serve.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
-    serve.add_argument("--prefill-chunk", type=int,
-                       help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)")
+    serve.add_argument(
+        "--kv-fp8", action="store_true", help="store the KV cache in fp8 (e4m3) with scales"
+    )
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="compute every prompt cold (for comparisons)"
+    )
+    serve.add_argument(
+        "--no-speculative",
+        action="store_true",
+        help="decode one token per step, no prompt-lookup drafts (for comparisons)",
+    )
+    serve.add_argument(
+        "--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)",
+    )
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
-    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    serve.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
+    )
     serve.add_argument("--device", default="cpu")
-    serve.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"), default="auto",
-                       help="force a MoE path (on CUDA: the Triton expert-centric or warp decode kernel); "
-                            "auto: the engine's choice by batch size")
-    serve.add_argument("--random-shape", metavar="SHAPE",
-                       help="serve random weights of a named shape (qwen3-30b-a3b, tiny) instead of a checkpoint; "
-                            "--model then only gives the tokenizer. For latency measurements: the text is noise")
+    serve.add_argument(
+        "--moe-path",
+        choices=("auto", "expert_centric", "output_centric"),
+        default="auto",
+        help="force a MoE path (on CUDA: the Triton expert-centric or warp decode kernel); "
+        "auto: the engine's choice by batch size",
+    )
+    serve.add_argument(
+        "--random-shape",
+        metavar="SHAPE",
+        help="serve random weights of a named shape (qwen3-30b-a3b, tiny) instead of a checkpoint; "
+        "--model then only gives the tokenizer. For latency measurements: the text is noise",
+    )
     serve.add_argument("--random-seed", type=int, default=0, help="seed of the random weights")
-    serve.add_argument("--random-vocab-size", type=int,
-                       help="vocabulary of the random model (default: the shape's)")
+    serve.add_argument(
+        "--random-vocab-size",
+        type=int,
+        help="vocabulary of the random model (default: the shape's)",
+    )
     serve.add_argument("--log-file", help="log here (default: $XDG_STATE_HOME/wd-lsp/engine.log)")
     serve.add_argument("--foreground", action="store_true", help="also log to stderr")
     serve.set_defaults(run=_serve)

@@ -6,6 +6,7 @@ tensors and the references on CPU tensors. The Triton-backed names below (`warp_
 light. (`kernels.fused_moe` is the module of the expert-centric path, hence the other name.)
 """
 
+from kernels import dispatch
 from kernels.reference import (
     apply_rope,
     attention,
@@ -18,8 +19,6 @@ from kernels.reference import (
     rope_inv_freq,
     route,
 )
-
-from kernels import dispatch
 
 # exported name -> (module, name there); loaded on first attribute access (PEP 562).
 _TRITON_EXPORTS = {

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
-from kernels.moe_inputs import moe_inputs
 from kernels.moe_align import align_by_expert
+from kernels.moe_inputs import moe_inputs
 from kernels.triton_env import interpreting
 
 
@@ -165,7 +165,9 @@ PREFILL_CONFIG = {
 
 
 def default_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
-    table = (tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}).get("configs")
+    table = (tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}).get(
+        "configs"
+    )
     prefill = tokens * top_k >= 8 * experts
     # The tuned table covers decode batch sizes; far past its largest entry, prefill tiles win.
     if table and not (prefill and tokens > 2 * max(int(key) for key in table)):
@@ -192,7 +194,8 @@ def fused_moe(
     topk_weights [T, k] fp32. Returns y [T, H] in x's dtype. `config` overrides the tuned tiles.
     """
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
-        x, w_gate_up, w_down, topk_ids, topk_weights)
+        x, w_gate_up, w_down, topk_ids, topk_weights
+    )
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
 
@@ -214,11 +217,24 @@ def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -
     numel = n_tokens * top_k
     act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))](
-        x, w_gate_up, act, sorted_slots, block_expert, rows_used,
-        numel, hidden, inter, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=hidden % cfg["BLOCK_K"] == 0, UPCAST=interpreting(),
+        x,
+        w_gate_up,
+        act,
+        sorted_slots,
+        block_expert,
+        rows_used,
+        numel,
+        hidden,
+        inter,
+        top_k,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        UPCAST=interpreting(),
         **_stages(cfg),
     )
     return act
@@ -231,11 +247,23 @@ def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch
     hidden = w_down.shape[1]
     per_slot = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
     _down_kernel[(block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))](
-        act, w_down, per_slot, route_w, sorted_slots, block_expert, rows_used,
-        numel, hidden, inter,
-        w_down.stride(0), w_down.stride(1),
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=inter % cfg["BLOCK_K"] == 0, UPCAST=interpreting(),
+        act,
+        w_down,
+        per_slot,
+        route_w,
+        sorted_slots,
+        block_expert,
+        rows_used,
+        numel,
+        hidden,
+        inter,
+        w_down.stride(0),
+        w_down.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=inter % cfg["BLOCK_K"] == 0,
+        UPCAST=interpreting(),
         **_stages(cfg),
     )
     return per_slot

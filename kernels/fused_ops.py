@@ -21,15 +21,26 @@ from kernels.triton_env import next_pow2
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, hidden, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         # The residual stream is rounded to its dtype after the add, as x + delta does in torch.
-        x = (x.to(tl.float32) + tl.load(delta_ptr + row * hidden + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(delta_ptr + row * hidden + offs, mask=mask, other=0.0).to(
+            tl.float32
+        )
         x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * hidden + offs, x, mask=mask)
     x = x.to(tl.float32)
@@ -47,17 +58,39 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(x)
     block = next_pow2(hidden)
     _add_rms_norm_kernel[(tokens,)](
-        x, delta.contiguous() if delta is not None else x, weight, total, out, hidden, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        x,
+        delta.contiguous() if delta is not None else x,
+        weight,
+        total,
+        out,
+        hidden,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        num_warps=max(1, min(8, block // 256)),
     )
     return total, out
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, slots_ptr,
-    stride_qkv, stride_cs, stride_dst_slot, n_q_heads, n_kv_heads, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    qkv_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_dst_ptr,
+    v_dst_ptr,
+    slots_ptr,
+    stride_qkv,
+    stride_cs,
+    stride_dst_slot,
+    n_q_heads,
+    n_kv_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, as they sit in qkv
@@ -90,8 +123,12 @@ def _qk_norm_rope_store_kernel(
         cos_hi = tl.load(cs + HALF + d).to(tl.float32)
         sin_lo = tl.load(sn + d).to(tl.float32)
         sin_hi = tl.load(sn + HALF + d).to(tl.float32)
-        r_lo = (lo * cos_lo).to(out_dtype).to(tl.float32) + (-hi * sin_lo).to(out_dtype).to(tl.float32)
-        r_hi = (hi * cos_hi).to(out_dtype).to(tl.float32) + (lo * sin_hi).to(out_dtype).to(tl.float32)
+        r_lo = (lo * cos_lo).to(out_dtype).to(tl.float32) + (-hi * sin_lo).to(out_dtype).to(
+            tl.float32
+        )
+        r_hi = (hi * cos_hi).to(out_dtype).to(tl.float32) + (lo * sin_hi).to(out_dtype).to(
+            tl.float32
+        )
         if is_q:
             dst = q_out_ptr + (token * n_q_heads + head) * HEAD_DIM
             tl.store(dst + d, r_lo.to(out_dtype))
@@ -128,8 +165,23 @@ def qk_norm_rope_store(
     q = torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     _qk_norm_rope_store_kernel[(tokens, n_q_heads + 2 * n_kv_heads)](
-        qkv, q_norm, k_norm, cos, sin, q, key_dst, value_dst, slots,
-        qkv.stride(0), cos.stride(0), key_dst.stride(0), n_q_heads, n_kv_heads, eps,
-        HEAD_DIM=head_dim, HALF=head_dim // 2, num_warps=1,
+        qkv,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        q,
+        key_dst,
+        value_dst,
+        slots,
+        qkv.stride(0),
+        cos.stride(0),
+        key_dst.stride(0),
+        n_q_heads,
+        n_kv_heads,
+        eps,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        num_warps=1,
     )
     return q

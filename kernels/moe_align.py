@@ -59,8 +59,11 @@ def _align_kernel(
 
     # Padding rows first; the scatter below overwrites the real ones.
     for r0 in range(0, max_rows, CHUNK):
-        tl.store(sorted_ptr + r0 + offs, numel + tl.zeros([CHUNK], dtype=tl.int32),
-                 mask=r0 + offs < max_rows)
+        tl.store(
+            sorted_ptr + r0 + offs,
+            numel + tl.zeros([CHUNK], dtype=tl.int32),
+            mask=r0 + offs < max_rows,
+        )
     tl.debug_barrier()  # order the two stores to the same rows across the program's threads
 
     # Pass 2: stable scatter; a slot's row = group start + earlier slots of its expert.
@@ -100,9 +103,16 @@ def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     # The one-hot tile is CHUNK x E_PAD ints: keep it near 8K elements.
     chunk = max(16, min(128, 8192 // e_pad, next_pow2(numel)))
     _align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_slots, block_expert, rows_used,
-        numel, rows, n_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+        topk_ids.reshape(-1),
+        sorted_slots,
+        block_expert,
+        rows_used,
+        numel,
+        rows,
+        n_experts,
+        BLOCK_M=block_m,
+        E_PAD=e_pad,
+        CHUNK=chunk,
         num_warps=4,
     )
     return sorted_slots, block_expert, rows_used
@@ -114,7 +124,9 @@ def align_by_expert_torch(topk_ids: torch.Tensor, n_experts: int, block_m: int):
     numel = ids.numel()
     rows = max_rows(numel, n_experts, block_m)
     device = ids.device
-    counts = torch.zeros(n_experts, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(n_experts, dtype=torch.long, device=device).scatter_add_(
+        0, ids, torch.ones_like(ids)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded

@@ -32,6 +32,15 @@ def moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights) -> MoeInputs:
     def last_dim_contiguous(t):
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    return MoeInputs(last_dim_contiguous(x), last_dim_contiguous(w_gate_up), last_dim_contiguous(w_down),
-                     topk_ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
-                     tokens, hidden, inter, experts, top_k)
+    return MoeInputs(
+        last_dim_contiguous(x),
+        last_dim_contiguous(w_gate_up),
+        last_dim_contiguous(w_down),
+        topk_ids.contiguous(),
+        topk_weights.to(torch.float32).contiguous(),
+        tokens,
+        hidden,
+        inter,
+        experts,
+        top_k,
+    )

@@ -25,12 +25,31 @@ PROGRAMS_WANTED = 2 * 132  # about two programs per SM of an H100/H200
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr,
-    m_ptr, l_ptr, acc_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_sks, stride_tb,
-    n_splits, scale,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    lens_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_sks,
+    stride_tb,
+    n_splits,
+    scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -48,8 +67,11 @@ def _split_kernel(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if INTERPRET:  # the interpreter can't do bf16 arithmetic
         q = q.to(tl.float32)
 
@@ -60,7 +82,9 @@ def _split_kernel(
         # TILE tokens at once; each token's slot comes through its block's table entry.
         t = start + tl.arange(0, TILE)
         valid = t < last
-        phys = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        phys = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(
+            tl.int64
+        )
         slots = phys * BLOCK_SIZE + t % BLOCK_SIZE
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = valid[:, None] & d_ok[None, :]
@@ -88,12 +112,25 @@ def _split_kernel(
     row = (b * (tl.num_programs(1) * GROUP) + heads) * n_splits + split
     tl.store(m_ptr + row, m, mask=g_ok)
     tl.store(l_ptr + row, l, mask=g_ok)
-    tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(
+        acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :]
+    )
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, n_heads, n_splits,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr):
+def _merge_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    n_heads,
+    n_splits,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLIT_PAD)
@@ -102,12 +139,19 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, n_heads,
     row = (b * n_heads + h) * n_splits + sp
     m = tl.load(m_ptr + row, mask=sp_ok, other=float("-inf"))
     l = tl.load(l_ptr + row, mask=sp_ok, other=0.0)
-    acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=sp_ok[:, None] & (d < HEAD_DIM)[None, :],
-                  other=0.0)
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=sp_ok[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     top = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # empty splits (past the end) weigh 0
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def paged_decode_attention(
@@ -141,17 +185,46 @@ def paged_decode_attention(
     ks = key_scales if fp8 else m  # placeholder pointers when unused
     vs = value_scales if fp8 else m
     _split_kernel[(batch, n_kv, n_splits)](
-        q, keys, values, ks, vs, block_tables, lengths, m, l, acc,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), ks.stride(0) if fp8 else 0, block_tables.stride(0),
-        n_splits, head_dim ** -0.5,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, TILE=TILE, FP8=fp8,
+        q,
+        keys,
+        values,
+        ks,
+        vs,
+        block_tables,
+        lengths,
+        m,
+        l,
+        acc,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        ks.stride(0) if fp8 else 0,
+        block_tables.stride(0),
+        n_splits,
+        head_dim**-0.5,
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE=TILE,
+        FP8=fp8,
         INTERPRET=interpreting(),
     )
     out = torch.empty_like(q)
     _merge_kernel[(batch, n_heads)](
-        m, l, acc, out, out.stride(0), out.stride(1), n_heads, n_splits,
-        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), SPLIT_PAD=max(2, next_pow2(n_splits)),
+        m,
+        l,
+        acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        n_heads,
+        n_splits,
+        HEAD_DIM=head_dim,
+        D_PAD=next_pow2(head_dim),
+        SPLIT_PAD=max(2, next_pow2(n_splits)),
     )
     return out
 

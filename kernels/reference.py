@@ -41,7 +41,11 @@ def rope_matrix(position: int, inv_freq: torch.Tensor) -> torch.Tensor:
     sin = freqs.sin()
     values = torch.cat((freqs.cos().repeat(2), sin, -sin))
     d = 2 * freqs.shape[0]
-    return torch.zeros(d * d, device=freqs.device).index_copy_(0, _rope_slots(d, freqs.device), values).view(d, d)
+    return (
+        torch.zeros(d * d, device=freqs.device)
+        .index_copy_(0, _rope_slots(d, freqs.device), values)
+        .view(d, d)
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -63,7 +67,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def causal_mask(q_positions: torch.Tensor, seq: int, sliding_window: int | None = None) -> torch.Tensor:
+def causal_mask(
+    q_positions: torch.Tensor, seq: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """[..., T, S] True where a query at q_positions [..., T] may see key j (key j sits at position j)."""
     key_pos = torch.arange(seq, device=q_positions.device)
     allowed = key_pos <= q_positions[..., None]
@@ -95,13 +101,23 @@ def attention(
     scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))  # [B, Hkv, G*T, S]
     # A lone query at the last position (decode of one sequence) sees every key: no mask to
     # build. Checked on the CPU only, where reading the position is no device sync.
-    sees_all = (q.device.type == "cpu" and batch == 1 and n_tokens == 1 and kv_len is None
-                and sliding_window is None and int(q_positions[0, 0]) == seq - 1)
+    sees_all = (
+        q.device.type == "cpu"
+        and batch == 1
+        and n_tokens == 1
+        and kv_len is None
+        and sliding_window is None
+        and int(q_positions[0, 0]) == seq - 1
+    )
     if not sees_all:
         allowed = causal_mask(q_positions, seq, sliding_window)  # [B, T, S]
         if kv_len is not None:
             allowed &= torch.arange(seq, device=q.device)[None, None, :] < kv_len[:, None, None]
-        allowed = allowed[:, None, None].expand(batch, 1, group, n_tokens, seq).reshape(batch, 1, group * n_tokens, seq)
+        allowed = (
+            allowed[:, None, None]
+            .expand(batch, 1, group, n_tokens, seq)
+            .reshape(batch, 1, group * n_tokens, seq)
+        )
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).reshape(batch, n_q, n_tokens, head_dim)
@@ -152,20 +168,26 @@ def _probs_times_value_runs(probs: torch.Tensor, value_runs: list[torch.Tensor])
     return out
 
 
-def attention_lone(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
+def attention_lone(
+    q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]
+) -> torch.Tensor:
     """`attention_over_runs` for one query that sees every key (decode at the last position),
     with the softmax scale already in q. q [Hq, D]; runs [n_i, Hkv, D]. Returns [Hq, D]."""
     n_kv, head_dim = key_runs[0].shape[1], q.shape[-1]
     qg = q.view(n_kv, -1, head_dim)  # the query heads of one KV head stacked as rows
     if len(key_runs) == 1:  # a compacted sequence: its keys are one run
-        probs = torch.softmax(torch.bmm(qg, key_runs[0].permute(1, 2, 0)), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(
+            torch.bmm(qg, key_runs[0].permute(1, 2, 0)), dim=-1, dtype=torch.float32
+        )
         return torch.bmm(probs.to(q.dtype), value_runs[0].transpose(0, 1)).view(q.shape)
     scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return _probs_times_value_runs(probs, value_runs).view(q.shape)
 
 
-def attention_rows(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]) -> torch.Tensor:
+def attention_rows(
+    q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]
+) -> torch.Tensor:
     """`attention_lone` for the last n positions of one sequence, causal among them: row j sees
     keys 0..S-n+j. q [n, Hq, D] with the softmax scale in it; runs [n_i, Hkv, D] cover 0..S-1.
     Returns [n, Hq, D]."""
@@ -173,13 +195,20 @@ def attention_rows(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: li
     n_kv = key_runs[0].shape[1]
     qg = q.transpose(0, 1).reshape(n_kv, -1, head_dim)  # per KV head: its query heads' rows, n each
     scores = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)
-    scores = scores.masked_fill(_tail_mask(n, scores.shape[-1], n_q // n_kv, q.device), float("-inf"))
+    scores = scores.masked_fill(
+        _tail_mask(n, scores.shape[-1], n_q // n_kv, q.device), float("-inf")
+    )
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return _probs_times_value_runs(probs, value_runs).view(n_q, n, head_dim).transpose(0, 1)
 
 
-def attention_beams(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor],
-                    tail_keys: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
+def attention_beams(
+    q: torch.Tensor,
+    key_runs: list[torch.Tensor],
+    value_runs: list[torch.Tensor],
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+) -> torch.Tensor:
     """Attention of B beams' rows at one position (beam search): every row sees the keys they
     share (runs [n_i, Hkv, D], the prompt) and then its own beam's keys [B, t, Hkv, D] (its own
     among them). q [B, Hq, D] with the softmax scale in it. Returns [B, Hq, D]."""
@@ -187,28 +216,39 @@ def attention_beams(q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: l
     n_kv = tail_keys.shape[2]
     qb = q.view(beams, n_kv, n_q // n_kv, head_dim)  # [B, Hkv, group, D]
     qg = qb.transpose(0, 1).reshape(n_kv, -1, head_dim)  # per KV head: every beam's query heads
-    shared = torch.cat([torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1)  # [Hkv, B*group, P]
+    shared = torch.cat(
+        [torch.bmm(qg, k.permute(1, 2, 0)) for k in key_runs], dim=-1
+    )  # [Hkv, B*group, P]
     own = torch.matmul(qb, tail_keys.permute(0, 2, 3, 1))  # [B, Hkv, group, t]
     shared = shared.view(n_kv, beams, -1, shared.shape[-1]).transpose(0, 1)  # [B, Hkv, group, P]
     probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
     n_shared = shared.shape[-1]
     out_shared = _probs_times_value_runs(
-        probs[..., :n_shared].transpose(0, 1).reshape(n_kv, -1, n_shared), value_runs)  # [Hkv, B*group, D]
-    out_own = torch.matmul(probs[..., n_shared:], tail_values.permute(0, 2, 1, 3))  # [B, Hkv, group, D]
-    return (out_shared.view(n_kv, beams, -1, head_dim).transpose(0, 1) + out_own).reshape(beams, n_q, head_dim)
+        probs[..., :n_shared].transpose(0, 1).reshape(n_kv, -1, n_shared), value_runs
+    )  # [Hkv, B*group, D]
+    out_own = torch.matmul(
+        probs[..., n_shared:], tail_values.permute(0, 2, 1, 3)
+    )  # [B, Hkv, group, D]
+    return (out_shared.view(n_kv, beams, -1, head_dim).transpose(0, 1) + out_own).reshape(
+        beams, n_q, head_dim
+    )
 
 
 @functools.lru_cache(maxsize=4)  # built once per forward, read by every layer
 def _tail_mask(n: int, seq: int, group: int, device: torch.device) -> torch.Tensor:
     """[group * n, S]: True at the keys after each of the last n rows (a group's rows repeat)."""
-    hidden = torch.arange(seq, device=device)[None] > torch.arange(seq - n, seq, device=device)[:, None]
+    hidden = (
+        torch.arange(seq, device=device)[None] > torch.arange(seq - n, seq, device=device)[:, None]
+    )
     return hidden.repeat(group, 1)
 
 
 def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tuple[int, float]]:
     """`route` for one token, on its router logits as Python floats: [(expert, weight)] in
     descending order. Softmax in float64; top-k of the logits is top-k of the probabilities."""
-    chosen = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[:top_k]  # exact ties go to the lower id, which torch.topk does not promise
+    chosen = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[
+        :top_k
+    ]  # exact ties go to the lower id, which torch.topk does not promise
     top = logits[chosen[0]]
     exps = [math.exp(logits[e] - top) for e in chosen]
     total = sum(exps) if norm_topk_prob else sum(math.exp(v - top) for v in logits)

@@ -65,9 +65,15 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     if n_tokens == 0:
         return ids, weights
     _softmax_topk_kernel[(n_tokens,)](
-        logits, ids, weights,
-        n_tokens, n_experts, logits.stride(0),
-        TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(n_experts),
+        logits,
+        ids,
+        weights,
+        n_tokens,
+        n_experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        K_PAD=next_pow2(top_k),
+        E_PAD=next_pow2(n_experts),
         RENORMALIZE=norm_topk_prob,
         num_warps=4 if n_experts > 128 else 1,
     )

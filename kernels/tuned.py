@@ -1,6 +1,6 @@
 """Block-size configs tuned on the GPU and stored in `kernels/configs/` as JSON.
 
-One file per kernel family and MoE shape, written by `python -m kernels.bench_moe --tune`:
+One file per kernel family and MoE shape, written by `python -m kernels.bench.moe --tune`:
 
     warp_decode_H{H}_I{I}_E{E}_k{k}.json   {"device": ..., "gate_up": {B: cfg}, "down": {B: cfg}}
     fused_moe_H{H}_I{I}_E{E}_k{k}.json     {"device": ..., "configs": {B: cfg}}
@@ -23,7 +23,7 @@ def shape_name(family: str, hidden: int, inter: int, experts: int, top_k: int) -
     return f"{family}_H{hidden}_I{inter}_E{experts}_k{top_k}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> dict | None:
     path = CONFIG_DIR / name
     if not path.exists():

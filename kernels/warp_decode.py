@@ -39,7 +39,7 @@ DOWN_TILE_BUDGET = 16384
 L2_LINE_BYTES = 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pdl_supported(device_index: int) -> bool:
     """Programmatic dependent launch: Hopper or later, a Triton with the griddepcontrol ops,
     and not the CPU interpreter (which cannot run inline PTX)."""
@@ -60,13 +60,21 @@ def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
     """Ask L2 for the line holding each pointer; nothing comes back to registers."""
     if EVICT_LAST:
         tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-            dtype=tl.int32, is_pure=False, pack=1,
+            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [ptrs.to(tl.int64)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
     else:
         tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-            dtype=tl.int32, is_pure=False, pack=1,
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [ptrs.to(tl.int64)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 
@@ -119,8 +127,12 @@ def _gate_up_silu_kernel(
                 gate = tl.load(gate_ptrs, eviction_policy=EVICT).to(tl.float32)
                 up = tl.load(up_ptrs, eviction_policy=EVICT).to(tl.float32)
             else:
-                gate = tl.load(gate_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
-                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)
+                gate = tl.load(
+                    gate_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT
+                ).to(tl.float32)
+                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(
+                    tl.float32
+                )
         else:
             mask_h = (h0 + offs_h) < hidden
             mask_w = mask_i[:, None] & mask_h[None, :]
@@ -141,8 +153,12 @@ def _gate_up_silu_kernel(
         # This program's share of the expert's down matrix, pulled into L2 (kept there) while
         # the rest of the launch streams gate/up, so kernel 2 reads it from L2.
         chunk = tl.cdiv(down_lines, tl.num_programs(1))
-        lines = tl.minimum(pid_i * chunk + tl.minimum(tl.arange(0, DOWN_LINES), chunk - 1), down_lines - 1)
-        _prefetch_l2(wdown_ptr + expert * stride_wde + lines.to(tl.int64) * LINE_ELEMS, EVICT_LAST=True)
+        lines = tl.minimum(
+            pid_i * chunk + tl.minimum(tl.arange(0, DOWN_LINES), chunk - 1), down_lines - 1
+        )
+        _prefetch_l2(
+            wdown_ptr + expert * stride_wde + lines.to(tl.int64) * LINE_ELEMS, EVICT_LAST=True
+        )
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -187,8 +203,12 @@ def _down_kernel(
         # The routing is complete before kernel 1 starts, so these rows are known now.
         lines = tl.minimum(tl.arange(0, PREFETCH_LINES), (inter - 1) // LINE_ELEMS)
         rows = tl.minimum(offs_h, hidden - 1)
-        _prefetch_l2(w_ptr + experts[:, None, None] * stride_we + rows[None, :, None] * stride_wh
-                     + lines[None, None, :] * LINE_ELEMS)
+        _prefetch_l2(
+            w_ptr
+            + experts[:, None, None] * stride_we
+            + rows[None, :, None] * stride_wh
+            + lines[None, None, :] * LINE_ELEMS
+        )
     w_ptrs = (
         w_ptr
         + experts[:, None, None] * stride_we
@@ -266,7 +286,8 @@ def warp_decode_moe(
     `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning).
     """
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
-        x, w_gate_up, w_down, topk_ids, topk_weights)
+        x, w_gate_up, w_down, topk_ids, topk_weights
+    )
     cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
@@ -275,7 +296,9 @@ def warp_decode_moe(
     return down(act, w_down, ids, route_w, cfg["down"])
 
 
-def gate_up_silu(x, w_gate_up, ids, cfg: dict, launch_deps: bool = False, w_down=None) -> torch.Tensor:
+def gate_up_silu(
+    x, w_gate_up, ids, cfg: dict, launch_deps: bool = False, w_down=None
+) -> torch.Tensor:
     """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype.
 
     cfg["prefetch_down"] (GPU only, needs `w_down`): each program also pulls a share of its
@@ -290,17 +313,33 @@ def gate_up_silu(x, w_gate_up, ids, cfg: dict, launch_deps: bool = False, w_down
     block_h = _fit(cfg["BLOCK_H"], hidden)
     n_i = triton.cdiv(inter, block_i)
     line_elems = max(1, L2_LINE_BYTES // x.element_size())
-    prefetch = bool(cfg.get("prefetch_down")) and w_down is not None and x.is_cuda and not interpreting()
+    prefetch = (
+        bool(cfg.get("prefetch_down")) and w_down is not None and x.is_cuda and not interpreting()
+    )
     down_lines = triton.cdiv(hidden * inter, line_elems) if prefetch else 0
     _gate_up_silu_kernel[(n_tokens * top_k, n_i)](
-        x, w_gate_up, ids, act, w_down if prefetch else w_gate_up,
-        n_tokens * top_k, hidden, inter, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        w_down.stride(0) if prefetch else 0, down_lines,
-        BLOCK_I=block_i, BLOCK_H=block_h,
-        EVEN_I=inter % block_i == 0, EVEN_H=hidden % block_h == 0, LAUNCH_DEPS=launch_deps,
+        x,
+        w_gate_up,
+        ids,
+        act,
+        w_down if prefetch else w_gate_up,
+        n_tokens * top_k,
+        hidden,
+        inter,
+        top_k,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        w_down.stride(0) if prefetch else 0,
+        down_lines,
+        BLOCK_I=block_i,
+        BLOCK_H=block_h,
+        EVEN_I=inter % block_i == 0,
+        EVEN_H=hidden % block_h == 0,
+        LAUNCH_DEPS=launch_deps,
         DOWN_LINES=next_pow2(triton.cdiv(down_lines, n_i)) if prefetch else 0,
-        LINE_ELEMS=line_elems, EVICT="evict_first" if prefetch else "",
+        LINE_ELEMS=line_elems,
+        EVICT="evict_first" if prefetch else "",
         **_launch_opts(cfg),
     )
     return act
@@ -333,12 +372,27 @@ def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
     line_elems = max(1, L2_LINE_BYTES // w_down.element_size())
     prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if pdl and cfg.get("prefetch") else 0
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
-        act, w_down, ids, route_w, y,
-        n_tokens, hidden, inter, top_k,
-        w_down.stride(0), w_down.stride(1), y.stride(0),
-        K_PAD=k_pad, BLOCK_H=block_h, BLOCK_I=block_i,
-        EVEN_K=k_pad == top_k, EVEN_H=hidden % block_h == 0, EVEN_I=inter % block_i == 0,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines, LINE_ELEMS=line_elems,
+        act,
+        w_down,
+        ids,
+        route_w,
+        y,
+        n_tokens,
+        hidden,
+        inter,
+        top_k,
+        w_down.stride(0),
+        w_down.stride(1),
+        y.stride(0),
+        K_PAD=k_pad,
+        BLOCK_H=block_h,
+        BLOCK_I=block_i,
+        EVEN_K=k_pad == top_k,
+        EVEN_H=hidden % block_h == 0,
+        EVEN_I=inter % block_i == 0,
+        PDL=pdl,
+        PREFETCH_LINES=prefetch_lines,
+        LINE_ELEMS=line_elems,
         PRELOAD=bool(cfg.get("preload")),
         **_launch_opts(cfg, pdl),
     )

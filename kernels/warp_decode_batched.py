@@ -39,18 +39,33 @@ def _routing_of(ids_tile, offs_k, expert, top_k):
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr,
-    n_tokens, hidden, inter, top_k,
-    stride_xt, stride_we, stride_wn,
-    T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    act_ptr,
+    n_tokens,
+    hidden,
+    inter,
+    top_k,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    T_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     expert = tl.program_id(0)
     pid_i = tl.program_id(1)
     offs_t = tl.arange(0, T_PAD)
     offs_k = tl.arange(0, K_PAD)
-    ids_tile = tl.load(ids_ptr + offs_t[:, None] * top_k + offs_k[None, :],
-                       mask=(offs_t[:, None] < n_tokens) & (offs_k[None, :] < top_k), other=-1)
+    ids_tile = tl.load(
+        ids_ptr + offs_t[:, None] * top_k + offs_k[None, :],
+        mask=(offs_t[:, None] < n_tokens) & (offs_k[None, :] < top_k),
+        other=-1,
+    )
     _, routed, slot_j = _routing_of(ids_tile, offs_k, expert, top_k)
     if tl.sum(routed.to(tl.int32), axis=0) == 0:
         return
@@ -81,17 +96,34 @@ def _gate_up_kernel(
 
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     slots = offs_t * top_k + slot_j
-    tl.store(act_ptr + slots[:, None] * inter + offs_i[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=routed[:, None] & mask_i[None, :])
+    tl.store(
+        act_ptr + slots[:, None] * inter + offs_i[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=routed[:, None] & mask_i[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _down_kernel(
-    act_ptr, w_ptr, ids_ptr, weights_ptr, y_ptr,
-    n_tokens, hidden, inter, top_k, n_experts,
-    stride_we, stride_wh, stride_yt,
-    T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, UPCAST: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    y_ptr,
+    n_tokens,
+    hidden,
+    inter,
+    top_k,
+    n_experts,
+    stride_we,
+    stride_wh,
+    stride_yt,
+    T_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    EVEN_I: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     stride_we = stride_we.to(tl.int64)  # expert * stride can pass 2**31 at E=512
@@ -127,8 +159,11 @@ def _down_kernel(
                 b_ptrs += BLOCK_I
             acc += part * route_w[:, None]  # routing weight folded in fp32
 
-    tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_t[:, None] < n_tokens) & mask_h[None, :])
+    tl.store(
+        y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(offs_t[:, None] < n_tokens) & mask_h[None, :],
+    )
 
 
 DEFAULT_CONFIG = {
@@ -167,19 +202,47 @@ def warp_decode_batched_moe(x, w_gate_up, w_down, topk_ids, topk_weights, config
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     g = cfg["gate_up"]
     _gate_up_kernel[(experts, triton.cdiv(inter, g["BLOCK_I"]))](
-        x, w_gate_up, ids, act,
-        n_tokens, hidden, inter, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        T_PAD=t_pad, K_PAD=k_pad, BLOCK_I=g["BLOCK_I"], BLOCK_H=g["BLOCK_H"],
-        EVEN_H=hidden % g["BLOCK_H"] == 0, UPCAST=upcast, **_opts(g),
+        x,
+        w_gate_up,
+        ids,
+        act,
+        n_tokens,
+        hidden,
+        inter,
+        top_k,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        T_PAD=t_pad,
+        K_PAD=k_pad,
+        BLOCK_I=g["BLOCK_I"],
+        BLOCK_H=g["BLOCK_H"],
+        EVEN_H=hidden % g["BLOCK_H"] == 0,
+        UPCAST=upcast,
+        **_opts(g),
     )
     y = torch.empty(n_tokens, hidden, dtype=x.dtype, device=x.device)
     d = cfg["down"]
     _down_kernel[(triton.cdiv(hidden, d["BLOCK_H"]),)](
-        act, w_down, ids, route_w, y,
-        n_tokens, hidden, inter, top_k, experts,
-        w_down.stride(0), w_down.stride(1), y.stride(0),
-        T_PAD=t_pad, K_PAD=k_pad, BLOCK_H=d["BLOCK_H"], BLOCK_I=d["BLOCK_I"],
-        EVEN_I=inter % d["BLOCK_I"] == 0, UPCAST=upcast, **_opts(d),
+        act,
+        w_down,
+        ids,
+        route_w,
+        y,
+        n_tokens,
+        hidden,
+        inter,
+        top_k,
+        experts,
+        w_down.stride(0),
+        w_down.stride(1),
+        y.stride(0),
+        T_PAD=t_pad,
+        K_PAD=k_pad,
+        BLOCK_H=d["BLOCK_H"],
+        BLOCK_I=d["BLOCK_I"],
+        EVEN_I=inter % d["BLOCK_I"] == 0,
+        UPCAST=upcast,
+        **_opts(d),
     )
     return y

@@ -32,11 +32,24 @@ MAX_SLOTS = 1024  # T*k ids held in registers by every program
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _gate_up_dedup_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr,
-    n_tokens, hidden, inter, top_k,
-    stride_xt, stride_we, stride_wn,
-    T_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    act_ptr,
+    n_tokens,
+    hidden,
+    inter,
+    top_k,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    T_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr,
 ):
     if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
@@ -52,8 +65,11 @@ def _gate_up_dedup_kernel(
     # Tokens routed to this expert, their slot j, and their rank among them.
     offs_t = tl.arange(0, T_PAD)
     offs_k = tl.arange(0, K_PAD)
-    ids_tile = tl.load(ids_ptr + offs_t[:, None] * top_k + offs_k[None, :],
-                       mask=(offs_t[:, None] < n_tokens) & (offs_k[None, :] < top_k), other=-1)
+    ids_tile = tl.load(
+        ids_ptr + offs_t[:, None] * top_k + offs_k[None, :],
+        mask=(offs_t[:, None] < n_tokens) & (offs_k[None, :] < top_k),
+        other=-1,
+    )
     match = (ids_tile == expert).to(tl.int32)
     routed = tl.sum(match, axis=1)  # 0 or 1: a token picks an expert at most once
     slot_j = tl.sum(match * offs_k[None, :], axis=1)
@@ -85,7 +101,9 @@ def _gate_up_dedup_kernel(
             else:
                 mask_h = (h0 + offs_h) < hidden
                 mask_w = mask_i[:, None] & mask_h[None, :]
-                xv = tl.load(x_ptrs, mask=valid[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+                xv = tl.load(x_ptrs, mask=valid[:, None] & mask_h[None, :], other=0.0).to(
+                    tl.float32
+                )
                 gate = tl.load(gate_ptrs, mask=mask_w, other=0.0).to(tl.float32)
                 up = tl.load(up_ptrs, mask=mask_w, other=0.0).to(tl.float32)
             acc_gate += gate[None, :, :] * xv[:, None, :]
@@ -98,8 +116,11 @@ def _gate_up_dedup_kernel(
         up_sum = tl.sum(acc_up, axis=2)
         act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
         rows = tok * top_k + tok_j
-        tl.store(act_ptr + rows[:, None] * inter + offs_i[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=valid[:, None] & mask_i[None, :])
+        tl.store(
+            act_ptr + rows[:, None] * inter + offs_i[None, :],
+            act.to(act_ptr.dtype.element_ty),
+            mask=valid[:, None] & mask_i[None, :],
+        )
 
 
 DEFAULT_GATE_UP = {"BLOCK_I": 2, "BLOCK_H": 512, "GROUP": 2, "num_warps": 4}
@@ -126,12 +147,26 @@ def gate_up_dedup(x, w_gate_up, ids, cfg: dict, launch_deps: bool = False) -> to
     block_i = wd._fit(cfg["BLOCK_I"], inter)
     block_h = wd._fit(cfg["BLOCK_H"], hidden)
     _gate_up_dedup_kernel[(n_tokens * top_k, triton.cdiv(inter, block_i))](
-        x, w_gate_up, ids, act,
-        n_tokens, hidden, inter, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        T_PAD=next_pow2(n_tokens), K_PAD=next_pow2(top_k), S_PAD=next_pow2(n_tokens * top_k),
-        GROUP=cfg["GROUP"], BLOCK_I=block_i, BLOCK_H=block_h, EVEN_H=hidden % block_h == 0,
-        LAUNCH_DEPS=launch_deps, **wd._launch_opts(cfg),
+        x,
+        w_gate_up,
+        ids,
+        act,
+        n_tokens,
+        hidden,
+        inter,
+        top_k,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        T_PAD=next_pow2(n_tokens),
+        K_PAD=next_pow2(top_k),
+        S_PAD=next_pow2(n_tokens * top_k),
+        GROUP=cfg["GROUP"],
+        BLOCK_I=block_i,
+        BLOCK_H=block_h,
+        EVEN_H=hidden % block_h == 0,
+        LAUNCH_DEPS=launch_deps,
+        **wd._launch_opts(cfg),
     )
     return act
 
@@ -143,7 +178,8 @@ def warp_decode_dedup_moe(x, w_gate_up, w_down, topk_ids, topk_weights, config=N
     `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes.
     """
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
-        x, w_gate_up, w_down, topk_ids, topk_weights)
+        x, w_gate_up, w_down, topk_ids, topk_weights
+    )
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-FIM_TOKENS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
+FIM_TOKENS = [
+    "<|endoftext|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|file_sep|>",
+]
 
 TRAINING_TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -97,7 +104,7 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
 
 
 # The lean CPU paths' logits against the general path's, relative to the largest logit, by weight
-# form (engine.lone_matrices): fp32 differs in rounding alone, on every step or row; int8 rounds
+# form (engine.model.lone_matrices): fp32 differs in rounding alone, on every step or row; int8 rounds
 # weights to 1/254 of a row's largest and activations to bf16, on the median step or row (now and
 # then a random model's near-tied router picks another expert from the rounded input).
 LEAN_PATH_TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}
@@ -107,7 +114,7 @@ def lone_path_model(variant: str, form: str = "fp32"):
     """A random fp32 model for the lean CPU paths' tests, its lean path's weights in `form`:
     "moe" (every layer MoE, tied embeddings), "dense_and_untied" (layer 0 dense, an own lm_head)
     or "bias" (q/k/v and o biases)."""
-    from engine.random_model import TINY, random_model
+    from engine.model.random_model import TINY, random_model
 
     config = dict(TINY, vocab_size=512)
     if variant == "dense_and_untied":
@@ -137,7 +144,7 @@ def scaled_training_model(config: dict, seed: int = 0, dense: bool = False):
 
 def engine_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
     """The engine's logits [B, T, V] of token rows ids [B, T], loaded from model_dir."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     engine = load_model(model_dir)
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
@@ -161,6 +168,15 @@ def quantizable_training_config() -> dict:
     (experts): every dim a multiple of 32, as quantized exports need."""
     from engine.train.config import CONFIG
 
-    return {**CONFIG, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32}
+    return {
+        **CONFIG,
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }

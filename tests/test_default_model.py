@@ -1,5 +1,6 @@
 """The embedded default model: it loads with transformers and with the engine and both agree, its
 tokenizer round-trips source byte-exactly, it completes an obvious line, and the eval runs."""
+
 import ast
 import importlib.util
 import json
@@ -10,16 +11,28 @@ import pytest
 import torch
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "models" / "wd-coder-tiny"
-HAS_ENGINE = all(importlib.util.find_spec(m) for m in ("engine.loader", "engine.generate", "engine.fim"))
+HAS_ENGINE = all(
+    importlib.util.find_spec(m)
+    for m in ("engine.loading.loader", "engine.core.generate", "engine.prompts.fim")
+)
 needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="engine modules not present")
 
-PROMPTS = ["import os\n\n\ndef main(argv):\n    path = os.path.join(",
-           "<|fim_suffix|>\n    return total\n<|fim_prefix|>def total(xs):\n    <|fim_middle|>"]
+PROMPTS = [
+    "import os\n\n\ndef main(argv):\n    path = os.path.join(",
+    "<|fim_suffix|>\n    return total\n<|fim_prefix|>def total(xs):\n    <|fim_middle|>",
+]
 
 
 def test_shipped_files_are_complete_and_small():
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "README.md", "loss.png"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "loss.png",
+    ):
         assert (MODEL_DIR / name).is_file(), name
     assert (MODEL_DIR / "model.safetensors").stat().st_size <= 48_000_000
     config = json.loads((MODEL_DIR / "config.json").read_text())
@@ -55,13 +68,15 @@ def backend():
 
 @needs_engine
 def test_engine_logits_match_transformers(hf_model):
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
 
     model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        ours = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, capacity=len(ids)))[0]
+        ours = model.forward(
+            torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, capacity=len(ids))
+        )[0]
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids])).logits[0]
         assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
@@ -70,12 +85,11 @@ def test_engine_logits_match_transformers(hf_model):
 @needs_engine
 def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
     """The CPU's lone decode step streams int8 weight copies (by default on x86-64;
-    engine.lone_matrices); on the shipped model its greedy tokens are still fp32 transformers' own."""
-    from engine.generate import complete
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
-
-    from engine.lone_matrices import int8_available
+    engine.model.lone_matrices); on the shipped model its greedy tokens are still fp32 transformers' own."""
+    from engine.core.generate import complete
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
+    from engine.model.lone_matrices import int8_available
 
     if not int8_available():
         pytest.skip("this torch lacks the int8 weight-only product")
@@ -85,16 +99,24 @@ def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
         ids = tok.encode(prompt)
         _, stats = complete(model, tok, ids, max_tokens=32, stop_at_eos=False)
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-        assert stats.token_ids == out[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert stats.token_ids == out[0, len(ids) :].tolist()
 
 
 def test_transformers_loads_and_predicts_code(hf_model):
     from engine.train.data import load_tokenizer
 
     tok = load_tokenizer(MODEL_DIR / "tokenizer.json")
-    ids = tok.encode("import os\nimport sys\n\n\ndef main():\n    print(sys.argv)\n\n\nif __name__ == '__main__':\n   ").ids
+    ids = tok.encode(
+        "import os\nimport sys\n\n\ndef main():\n    print(sys.argv)\n\n\nif __name__ == '__main__':\n   "
+    ).ids
     with torch.no_grad():
         nxt = hf_model(torch.tensor([ids])).logits[0, -1].argmax().item()
     assert tok.decode([nxt]) == " main"
@@ -102,9 +124,17 @@ def test_transformers_loads_and_predicts_code(hf_model):
 
 def _source_samples():
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text(encoding="utf-8") for name in ("os.py", "textwrap.py", "json/decoder.py")]
-    return texts + ["naïve café 你好 🙂\tx = 1\r\n", "  \n\n\t\t  trailing   \n", "s = '<|endoftext|><|fim_prefix|>'\n",
-                    "\x00\x7f\u2028 ∑ 𝔘", ""]
+    texts = [
+        (stdlib / name).read_text(encoding="utf-8")
+        for name in ("os.py", "textwrap.py", "json/decoder.py")
+    ]
+    return texts + [
+        "naïve café 你好 🙂\tx = 1\r\n",
+        "  \n\n\t\t  trailing   \n",
+        "s = '<|endoftext|><|fim_prefix|>'\n",
+        "\x00\x7f\u2028 ∑ 𝔘",
+        "",
+    ]
 
 
 def test_tokenizer_round_trips_source_byte_exactly():
@@ -114,7 +144,7 @@ def test_tokenizer_round_trips_source_byte_exactly():
     for text in _source_samples():
         assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
     if HAS_ENGINE:
-        from engine.tokenizer import Tokenizer
+        from engine.loading.tokenizer import Tokenizer
 
         etok = Tokenizer.from_dir(MODEL_DIR)
         for text in _source_samples():
@@ -133,9 +163,26 @@ def test_eval_command_runs_on_a_few_heldout_files(tmp_path):
     from engine.train import eval as evaluation
 
     out = tmp_path / "eval.json"
-    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--orders", "spm", "--bpb-tokens", "128",
-                     "--tasks-per-file", "2", "--allow-changed", "--json", str(out), "--details", str(tmp_path / "d.jsonl")]
-                    + ([] if HAS_ENGINE else ["--backend", "transformers"]))
+    evaluation.main(
+        [
+            "--model",
+            str(MODEL_DIR),
+            "--files",
+            "2",
+            "--orders",
+            "spm",
+            "--bpb-tokens",
+            "128",
+            "--tasks-per-file",
+            "2",
+            "--allow-changed",
+            "--json",
+            str(out),
+            "--details",
+            str(tmp_path / "d.jsonl"),
+        ]
+        + ([] if HAS_ENGINE else ["--backend", "transformers"])
+    )
     result = json.loads(out.read_text())
     assert result["files"] == 2 and result["tasks_per_file"] == 2
     for key in ("single_spm", "multi_spm"):
@@ -157,9 +204,29 @@ def test_eval_prompts_fit_the_models_context(tmp_path, layout):
     from engine.train import eval as evaluation
 
     out = tmp_path / "eval.json"
-    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
-                     "--bpb-tokens", "0", "--allow-changed", "--prefix-chars", "20000", "--suffix-chars", "3000",
-                     "--layout", layout, "--json", str(out)])
+    evaluation.main(
+        [
+            "--model",
+            str(MODEL_DIR),
+            "--files",
+            "2",
+            "--kinds",
+            "single",
+            "--orders",
+            "spm",
+            "--bpb-tokens",
+            "0",
+            "--allow-changed",
+            "--prefix-chars",
+            "20000",
+            "--suffix-chars",
+            "3000",
+            "--layout",
+            layout,
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())  # prompts past the context would have been refused
     assert result["layout"] == layout and result["context_chars"] == [20000, 3000]
     assert result["single_spm"]["tasks"] == 2
@@ -170,8 +237,24 @@ def test_eval_editor_context_is_the_servers_fitted_budget(tmp_path):
     from engine.train import eval as evaluation
 
     out = tmp_path / "eval.json"
-    evaluation.main(["--model", str(MODEL_DIR), "--files", "2", "--kinds", "single", "--orders", "spm",
-                     "--bpb-tokens", "0", "--allow-changed", "--editor-context", "--json", str(out)])
+    evaluation.main(
+        [
+            "--model",
+            str(MODEL_DIR),
+            "--files",
+            "2",
+            "--kinds",
+            "single",
+            "--orders",
+            "spm",
+            "--bpb-tokens",
+            "0",
+            "--allow-changed",
+            "--editor-context",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     prefix_chars, suffix_chars = result["context_chars"]
     assert result["layout"] == "server" and 0 < suffix_chars < prefix_chars < 3.5 * 1024
@@ -182,9 +265,29 @@ def test_eval_by_beam_search_answers_every_single_line(tmp_path):
     from engine.train import eval as evaluation
 
     out, details = tmp_path / "eval.json", tmp_path / "d.jsonl"
-    evaluation.main(["--model", str(MODEL_DIR), "--files", "3", "--kinds", "single", "--orders", "spm",
-                     "--bpb-tokens", "0", "--tasks-per-file", "2", "--allow-changed", "--beams", "4",
-                     "--json", str(out), "--details", str(details)])
+    evaluation.main(
+        [
+            "--model",
+            str(MODEL_DIR),
+            "--files",
+            "3",
+            "--kinds",
+            "single",
+            "--orders",
+            "spm",
+            "--bpb-tokens",
+            "0",
+            "--tasks-per-file",
+            "2",
+            "--allow-changed",
+            "--beams",
+            "4",
+            "--json",
+            str(out),
+            "--details",
+            str(details),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["single_line_beams"] == 4 and result["single_spm"]["tasks"] == 6
     preds = [json.loads(line)["pred"] for line in details.read_text().splitlines()]
@@ -207,9 +310,9 @@ def test_the_language_servers_fitted_context_fits_the_engines_prompt_uncut():
     never has to cut the prefix's start itself (it would move with every keystroke)."""
     import argparse  # a long file of typical density (about 3.7 characters a token)
 
-    from engine.prompt_layout import build_completion_prompt, prompt_budget
-    from engine.token_healing import token_healer
-    from engine.tokenizer import Tokenizer
+    from engine.decoding.token_healing import token_healer
+    from engine.loading.tokenizer import Tokenizer
+    from engine.prompts.layout import build_completion_prompt, prompt_budget
     from wd_lsp.context import Budget, build_context
     from wd_lsp.document import Document
 
@@ -221,8 +324,15 @@ def test_the_language_servers_fitted_context_fits_the_engines_prompt_uncut():
     for offset in (len(text) // 3, len(text) // 2, 2 * len(text) // 3):
         ctx = build_context(doc, doc.position_at(offset), budget=budget)
         assert ctx.prefix_truncated and ctx.suffix_truncated
-        ids = build_completion_prompt(tok, ctx.prefix, ctx.suffix, order="spm", repo_context=False, heal=True,
-                                      max_prompt_tokens=prompt_budget(context, 64, 4096))
+        ids = build_completion_prompt(
+            tok,
+            ctx.prefix,
+            ctx.suffix,
+            order="spm",
+            repo_context=False,
+            heal=True,
+            max_prompt_tokens=prompt_budget(context, 64, 4096),
+        )
         healed_prefix = token_healer(tok).split(ctx.prefix)[0]
-        assert ids[-len(healed_prefix) - 2:-1] == [tok.token_id("<|fim_prefix|>"), *healed_prefix]
+        assert ids[-len(healed_prefix) - 2 : -1] == [tok.token_id("<|fim_prefix|>"), *healed_prefix]
         assert len(ids) <= context - 65

@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
         from wd_lsp.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="wd-lsp", description="wd-lsp code-completion language server")
+    parser = argparse.ArgumentParser(
+        prog="wd-lsp", description="wd-lsp code-completion language server"
+    )
     parser.add_argument("--stdio", action="store_true", help="serve over stdio (the default)")
     parser.add_argument("--tcp", metavar="HOST:PORT", help="serve over TCP instead, for debugging")
     parser.add_argument("--log-file", help="also write the server's log here")
@@ -26,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wd-lsp {__version__}")
         return 0
     handler, refused = _log_handler(args.log_file)
-    logging.basicConfig(level=logging.INFO, handlers=[handler],
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        handlers=[handler],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if refused:
         logging.getLogger("wd_lsp").error("%s; logging to stderr instead", refused)
     logging.getLogger("pygls").setLevel(logging.WARNING)  # it logs every message at INFO
@@ -52,7 +57,7 @@ def _log_handler(log_file: str | None) -> tuple[logging.Handler, str | None]:
     through a symbolic link."""
     if not log_file:
         return logging.StreamHandler(sys.stderr), None
-    from engine.paths import UnsafeLogFile, open_private_log  # imports no torch
+    from engine.ipc.paths import UnsafeLogFile, open_private_log  # imports no torch
 
     try:
         return logging.StreamHandler(open_private_log(Path(log_file), "a")), None

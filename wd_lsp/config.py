@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from engine.protocol import MAX_BEAMS
+from engine.ipc.protocol import MAX_BEAMS
 
 MODEL_ENV_VAR = "WD_LSP_MODEL"
 MULTILINE_POLICIES = ("auto", "single", "multi")
@@ -39,9 +39,13 @@ class EngineAddress:
 class OpenAIServer:
     """An OpenAI-compatible /v1/completions server (vLLM, SGLang, llama.cpp, `wd-engine serve --http-port`)."""
 
-    base_url: str = field(default_factory=lambda: _env(OPENAI_URL_ENV_VAR, "http://127.0.0.1:8000/v1"))
+    base_url: str = field(
+        default_factory=lambda: _env(OPENAI_URL_ENV_VAR, "http://127.0.0.1:8000/v1")
+    )
     api_key: str | None = field(default_factory=lambda: _env(OPENAI_KEY_ENV_VAR))
-    model: str | None = field(default_factory=lambda: _env(OPENAI_MODEL_ENV_VAR))  # None: the first one listed
+    model: str | None = field(
+        default_factory=lambda: _env(OPENAI_MODEL_ENV_VAR)
+    )  # None: the first one listed
     # "template": the client writes the Qwen-Coder FIM prompt (works everywhere);
     # "suffix": the server builds it from OpenAI's `suffix` parameter (our engine, SGLang with a
     # completion template; vLLM refuses `suffix`).
@@ -76,15 +80,36 @@ class Settings:
 _FIELDS = {
     "enabled": ("enabled", lambda v: isinstance(v, bool)),
     "model": ("model", lambda v: v is None or isinstance(v, str)),
-    "debounceMs": ("debounce_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 5000),
-    "maxTokens": ("max_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024),
+    "debounceMs": (
+        "debounce_ms",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 5000,
+    ),
+    "maxTokens": (
+        "max_tokens",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024,
+    ),
     "multiline": ("multiline", lambda v: v in MULTILINE_POLICIES),
-    "maxLines": ("max_lines", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 200),
-    "enabledLanguages": ("enabled_languages", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-    "temperature": ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
-    "beams": ("beams", lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BEAMS),
+    "maxLines": (
+        "max_lines",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 200,
+    ),
+    "enabledLanguages": (
+        "enabled_languages",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+    "temperature": (
+        "temperature",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2,
+    ),
+    "beams": (
+        "beams",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BEAMS,
+    ),
     "warmOnChange": ("warm_on_change", lambda v: isinstance(v, bool)),
-    "requestTimeoutMs": ("request_timeout_ms", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "requestTimeoutMs": (
+        "request_timeout_ms",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    ),
     "backend": ("backend", lambda v: v in BACKENDS),
 }
 _ENGINE_FIELDS = {

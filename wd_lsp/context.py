@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from . import symbols
 from .document import Document, Position, PositionLike
@@ -292,7 +293,9 @@ def _node_start_line_at_or_after(doc: Document, tree: Any, first: int, cur: int)
             row = node.start_point[0]
             # rows count "\n" only; a clean cut needs the node to start its line
             if first <= row <= cur and row < doc.line_count:
-                if (row - first) * 4 <= cur - first and not doc.line_text(row)[: node.start_point[1]].strip():
+                if (row - first) * 4 <= cur - first and not doc.line_text(row)[
+                    : node.start_point[1]
+                ].strip():
                     return row
                 break
     return None
@@ -303,7 +306,11 @@ def _node_end_line_at_or_before(doc: Document, tree: Any, cur: int, last: int) -
     if tree is None:
         return None
     for siblings in _levels(tree, last):
-        ends = [n.end_point[0] for n in siblings if cur < n.end_point[0] <= last and n.start_point[0] > cur]
+        ends = [
+            n.end_point[0]
+            for n in siblings
+            if cur < n.end_point[0] <= last and n.start_point[0] > cur
+        ]
         if ends and (last - max(ends)) * 4 <= last - cur:
             return max(ends)
     return None
@@ -370,7 +377,9 @@ def select_chunks(
         left -= cost
         if kind != "import":
             taken.setdefault(d.uri, []).append((a, b))
-        picked.append(ContextChunk(kind, d.uri, encodable(display_path(d.path, root)), encodable(text), a))
+        picked.append(
+            ContextChunk(kind, d.uri, encodable(display_path(d.path, root)), encodable(text), a)
+        )
         return True
 
     if doc.decline_reason is None:
@@ -388,7 +397,9 @@ def select_chunks(
             for d, definition in by_name.get(name, ())[:MAX_DEFINITIONS_PER_NAME]:
                 if d is doc and definition.start_line <= cur_line <= definition.end_line:
                     continue  # the enclosing definition: its nearby part is in the prefix
-                end = min(definition.end_line, definition.start_line + budget.max_definition_lines - 1)
+                end = min(
+                    definition.end_line, definition.start_line + budget.max_definition_lines - 1
+                )
                 take("definition", d, definition.start_line, end)
             if left <= 0:
                 break
@@ -425,7 +436,11 @@ def outline_of(doc: Document, max_lines: int = 60) -> str:
     lines: list[str] = []
     seen: set[int] = set()
     for d in symbols.definitions(doc):
-        last = d.body_line - 1 if not doc.language.braces and d.body_line > d.start_line else d.body_line
+        last = (
+            d.body_line - 1
+            if not doc.language.braces and d.body_line > d.start_line
+            else d.body_line
+        )
         for ln in range(d.start_line, max(d.start_line, last) + 1):
             if ln not in seen:
                 seen.add(ln)

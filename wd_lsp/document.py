@@ -18,12 +18,14 @@ from .languages import Language, detect_language, get_parser
 from .text import (
     ENCODINGS,
     UTF16,
-    encode_utf8 as encode,
     line_of,
     line_starts,
     units_len,
     units_to_index,
     update_line_starts,
+)
+from .text import (
+    encode_utf8 as encode,
 )
 
 DEFAULT_MAX_BYTES = 2 * 1024 * 1024
@@ -159,7 +161,9 @@ class Document:
         if line >= len(self._starts):
             return self._clamped(len(self._text))
         start = self._starts[line]
-        index, exact = units_to_index(self._text[start : self.line_end(line)], character, self.encoding)
+        index, exact = units_to_index(
+            self._text[start : self.line_end(line)], character, self.encoding
+        )
         if not exact:
             return self._clamped(start + index)
         return ResolvedPosition(start + index, False)
@@ -287,7 +291,9 @@ class Document:
         if parser is None or self.decline_reason is not None:
             self._tree = None
         else:
-            self._tree = parser.parse(self._bytes, self._tree) if self._tree else parser.parse(self._bytes)
+            self._tree = (
+                parser.parse(self._bytes, self._tree) if self._tree else parser.parse(self._bytes)
+            )
         self._tree_stale = False
         return self._tree
 

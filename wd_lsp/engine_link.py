@@ -18,14 +18,20 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from engine.client import (
-    CompletionStream, EngineClient, EngineError, EngineStarting, EngineTimeout, EngineUnavailable,
-    SpawnConfig, SpawnFailed,
+from engine.ipc.client import (
+    CompletionStream,
+    EngineClient,
+    EngineError,
+    EngineStarting,
+    EngineTimeout,
+    EngineUnavailable,
+    SpawnConfig,
+    SpawnFailed,
 )
-from engine.protocol import BAD_REQUEST
+from engine.ipc.protocol import BAD_REQUEST
 
 from .config import Settings
 from .context import CompletionContext, encodable
@@ -41,9 +47,16 @@ CLIENT_GRACE_S = 2.0
 # How long a request waits for an engine already known to be loading its model: the completion
 # is empty either way, and clients that wait for it before showing their menu must not hang.
 STARTING_WAIT_S = 0.15
-STATS_TIMEOUT_S = 1.0  # wdLsp.status asks for the engine's stats: a stopped engine must not stall it
-RESTART_WAIT_S = 30.0  # wdLsp.restartEngine waits this long for the new engine; it goes on loading after
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # before connecting again after a failed spawn or a silent engine
+STATS_TIMEOUT_S = (
+    1.0  # wdLsp.status asks for the engine's stats: a stopped engine must not stall it
+)
+RESTART_WAIT_S = (
+    30.0  # wdLsp.restartEngine waits this long for the new engine; it goes on loading after
+)
+BACKOFF_FIRST_S, BACKOFF_MAX_S = (
+    1.0,
+    60.0,
+)  # before connecting again after a failed spawn or a silent engine
 
 
 def _now() -> float:
@@ -155,7 +168,9 @@ class EngineLink:
         self._last_error = None
         self._beams_refused = False
         self._reset_backoff()
-        self._set_state("ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}")
+        self._set_state(
+            "ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}"
+        )
         return client
 
     def _still_starting(self, waited_s: float) -> EngineStarting:
@@ -173,7 +188,9 @@ class EngineLink:
             raise EngineUnavailable(f"{self._last_error}; not trying again for {remaining:.0f} s")
 
     def _back_off(self) -> None:
-        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s) if self._backoff_s else BACKOFF_FIRST_S
+        self._backoff_s = (
+            min(BACKOFF_MAX_S, 2 * self._backoff_s) if self._backoff_s else BACKOFF_FIRST_S
+        )
         self._retry_at = _now() + self._backoff_s
 
     def _reset_backoff(self) -> None:
@@ -183,10 +200,15 @@ class EngineLink:
         """Stream a completion, stopping the engine as soon as a stop rule fires."""
         s = self.settings
         params = dict(
-            prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
+            prefix=ctx.prefix,
+            suffix=ctx.suffix,
+            path=ctx.path,
             chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
-            max_tokens=s.max_tokens, temperature=float(s.temperature),
-            stop=list(rules.stop_strings), client=encodable(key), deadline_ms=s.request_timeout_ms,
+            max_tokens=s.max_tokens,
+            temperature=float(s.temperature),
+            stop=list(rules.stop_strings),
+            client=encodable(key),
+            deadline_ms=s.request_timeout_ms,
         )
         # A block streams as greedy writes it: beams only for a single line.
         if not rules.multiline and s.beams > 1 and not self._beams_refused:
@@ -196,11 +218,15 @@ class EngineLink:
         except EngineError as exc:
             # A daemon started by an older wd-lsp (it stays resident) knows no beams: greedy
             # until the next connection.
-            if not (exc.code == BAD_REQUEST and "beams" in exc.message and params.pop("beams", None)):
+            if not (
+                exc.code == BAD_REQUEST and "beams" in exc.message and params.pop("beams", None)
+            ):
                 raise
             self._beams_refused = True
-            log.warning("the running engine does not take 'beams' (wdLsp.restartEngine updates it); "
-                        "decoding greedily")
+            log.warning(
+                "the running engine does not take 'beams' (wdLsp.restartEngine updates it); "
+                "decoding greedily"
+            )
             return await self._complete(params, rules)
 
     async def _complete(self, params: dict, rules: StopRules) -> EngineAnswer:
@@ -260,8 +286,13 @@ class EngineLink:
     async def warm(self, ctx: CompletionContext, key: str) -> None:
         """Prefill the prompt at the cursor; EngineTimeout after the request timeout."""
         client = await self.ensure_connected()
-        params = dict(prefix=ctx.prefix, suffix=ctx.suffix, path=ctx.path,
-                      chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks], client=encodable(key))
+        params = dict(
+            prefix=ctx.prefix,
+            suffix=ctx.suffix,
+            path=ctx.path,
+            chunks=[{"path": c.path, "text": c.text} for c in ctx.chunks],
+            client=encodable(key),
+        )
         await client.warm(params, timeout=self.settings.request_timeout_ms / 1000, reconnect=False)
 
     async def stats(self) -> dict:

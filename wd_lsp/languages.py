@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 
@@ -75,7 +75,7 @@ def language_by_name(name: str) -> Language:
     return _BY_NAME.get(name, PLAIN_TEXT)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ts_language(grammar: str) -> Any:
     # Imported here: loading the grammar pack costs ~20 ms the server need not pay at start.
     from tree_sitter_language_pack import get_language
@@ -88,7 +88,7 @@ def ts_language(lang: Language) -> Any:
     return _ts_language(lang.grammar) if lang.grammar else None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parser(grammar: str) -> Any:
     from tree_sitter import Parser
 

@@ -17,12 +17,12 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import httpx
 
-from engine.client import EngineUnavailable
+from engine.ipc.client import EngineUnavailable
 
 from .config import Settings
 from .context import CompletionContext
@@ -31,10 +31,23 @@ from .shape import StopRules, apply_stop_rules
 
 log = logging.getLogger(__name__)
 
-FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP = (
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "<|file_sep|>",
+)
 # Tokens that end a Qwen-Coder infill when the server does not treat them as end of sequence;
 # the FIM markers last (a remote server cannot be told never to sample them, so they end it too).
-TEMPLATE_STOPS = ("<|endoftext|>", FILE_SEP, "<|fim_pad|>", "<|im_end|>", FIM_SUFFIX, FIM_MIDDLE, FIM_PREFIX)
+TEMPLATE_STOPS = (
+    "<|endoftext|>",
+    FILE_SEP,
+    "<|fim_pad|>",
+    "<|im_end|>",
+    FIM_SUFFIX,
+    FIM_MIDDLE,
+    FIM_PREFIX,
+)
 MAX_SERVER_STOPS = 4  # OpenAI's own limit; the rest are applied here while streaming
 CONNECT_TIMEOUT_S = 5.0
 
@@ -74,8 +87,12 @@ class OpenAIBackend:
         s = self.settings.openai
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         http = self.http = self.http or httpx.AsyncClient(
-            base_url=s.base_url.rstrip("/"), headers=headers,
-            timeout=httpx.Timeout(self.settings.request_timeout_ms / 1000, connect=CONNECT_TIMEOUT_S))
+            base_url=s.base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(
+                self.settings.request_timeout_ms / 1000, connect=CONNECT_TIMEOUT_S
+            ),
+        )
         if self.state == "idle":
             self._set_state("starting", f"connecting to {s.base_url}")
         try:
@@ -93,7 +110,12 @@ class OpenAIBackend:
             raise EngineUnavailable("the server lists no models")
         self.model = s.model or listed[0]
         if s.model and listed and s.model not in listed:
-            log.warning("%s lists %s, not %r; trying it anyway", s.base_url, ", ".join(map(str, listed)), s.model)
+            log.warning(
+                "%s lists %s, not %r; trying it anyway",
+                s.base_url,
+                ", ".join(map(str, listed)),
+                s.model,
+            )
         self.model_info = {"name": self.model}
         # vLLM and the engine's own listener say the model's context: the context budget fits it.
         length = next((m.get("max_model_len") for m in cards if m.get("id") == self.model), None)
@@ -141,8 +163,13 @@ class OpenAIBackend:
         s = self.settings
         http = await self.ensure_connected()
         stops = list(rules.stop_strings)
-        body = dict(model=self.model, max_tokens=s.max_tokens, temperature=float(s.temperature),
-                    stream=True, stream_options={"include_usage": True})
+        body = dict(
+            model=self.model,
+            max_tokens=s.max_tokens,
+            temperature=float(s.temperature),
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         if s.openai.fim == "suffix":
             body.update(prompt=ctx.prefix, suffix=ctx.suffix)
         else:
@@ -158,7 +185,10 @@ class OpenAIBackend:
             # Leaving this block closes the response, also on cancellation: the server sees
             # the connection go and stops generating. httpx bounds each read; this bounds the
             # whole answer, as the engine's deadline does.
-            async with asyncio.timeout(guard_s), http.stream("POST", "/completions", json=body) as response:
+            async with (
+                asyncio.timeout(guard_s),
+                http.stream("POST", "/completions", json=body) as response,
+            ):
                 if response.status_code >= 400:
                     await response.aread()
                     _raise_for_status(response)
@@ -179,7 +209,9 @@ class OpenAIBackend:
             raise  # complete() asks again, or counts it
         except TimeoutError as exc:
             self.counters["errors"] += 1
-            failure = EngineUnavailable(f"the server did not finish an answer within {guard_s:.1f} s")
+            failure = EngineUnavailable(
+                f"the server did not finish an answer within {guard_s:.1f} s"
+            )
             self._report_failure(http, failure)
             raise failure from exc
         except (httpx.HTTPError, ValueError, EngineUnavailable) as exc:
@@ -194,7 +226,9 @@ class OpenAIBackend:
 
     async def stats(self) -> dict:
         s = self.settings.openai if self.settings else None
-        return dict(self.counters, backend="openai", base_url=s.base_url if s else None, model=self.model)
+        return dict(
+            self.counters, backend="openai", base_url=s.base_url if s else None, model=self.model
+        )
 
     async def restart(self) -> None:
         """Forget the connection and the model name, then reach the server again."""
@@ -216,8 +250,11 @@ class OpenAIBackend:
         # message; later failures stay quiet until a request succeeds again.
         if not self._error_logged:
             self._error_logged = True
-            self._set_state("error", f"completion server unavailable: {_describe(exc)} "
-                                     "(completions are empty until it is back)")
+            self._set_state(
+                "error",
+                f"completion server unavailable: {_describe(exc)} "
+                "(completions are empty until it is back)",
+            )
         self.model = None  # the next request checks the server again
 
     def _set_state(self, state: str, message: str) -> None:
@@ -226,7 +263,11 @@ class OpenAIBackend:
 
 
 def _with_stops(rules: StopRules, stops: list[str]) -> StopRules:
-    return rules if len(stops) == len(rules.stop_strings) else replace(rules, stop_strings=tuple(stops))
+    return (
+        rules
+        if len(stops) == len(rules.stop_strings)
+        else replace(rules, stop_strings=tuple(stops))
+    )
 
 
 async def _sse_payloads(response: httpx.Response):
@@ -256,8 +297,11 @@ def _raise_for_status(response: httpx.Response) -> None:
         except ValueError:
             detail = response.text[:200]
         # vLLM's and the engine's listener's wording: "This model's maximum context length is ..."
-        error = ContextTooLong if response.status_code == 400 and "maximum context length" in detail.lower() \
+        error = (
+            ContextTooLong
+            if response.status_code == 400 and "maximum context length" in detail.lower()
             else EngineUnavailable
+        )
         raise error(f"HTTP {response.status_code} from {response.url}: {detail}")
 
 
@@ -266,7 +310,7 @@ def _half_prefix(ctx: CompletionContext) -> CompletionContext | None:
     cut = ctx.prefix.find("\n", len(ctx.prefix) // 2)
     if cut == -1 or cut + 1 >= len(ctx.prefix):
         return None
-    return replace(ctx, prefix=ctx.prefix[cut + 1:], chunks=(), prefix_truncated=True)
+    return replace(ctx, prefix=ctx.prefix[cut + 1 :], chunks=(), prefix_truncated=True)
 
 
 def _error_text(payload) -> str:

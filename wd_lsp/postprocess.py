@@ -106,7 +106,9 @@ def open_brackets(text: str, language: str = "plaintext") -> list[str]:
 # ---- filters ---------------------------------------------------------------------------
 
 
-def trim_suffix_overlap(text: str, line_prefix: str, line_suffix: str, language: str = "plaintext") -> str:
+def trim_suffix_overlap(
+    text: str, line_prefix: str, line_suffix: str, language: str = "plaintext"
+) -> str:
     """Drop the end of `text` that repeats the start of the line's suffix.
 
     Editors auto-close brackets and quotes, so the suffix often starts with `)` or `"` that
@@ -185,7 +187,9 @@ def cut_repetition(text: str, max_period: int = 4, repeats: int = 3) -> str:
             block = lines[i : i + period]
             if len(block) < period or all(_TRIVIAL.match(l) for l in block):
                 continue
-            if all(lines[i + r * period : i + (r + 1) * period] == block for r in range(1, repeats)):
+            if all(
+                lines[i + r * period : i + (r + 1) * period] == block for r in range(1, repeats)
+            ):
                 return "\n".join(raw[: i + period])
     return text
 

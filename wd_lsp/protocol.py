@@ -98,11 +98,17 @@ class WdProtocol(LanguageServerProtocol):
         try:
             data = json.loads(body)
         except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, or nested too deep
-            log.warning("a message is not valid JSON (%s): answered with a parse error", _brief(exc))
+            log.warning(
+                "a message is not valid JSON (%s): answered with a parse error", _brief(exc)
+            )
             self._send_error(None, JsonRpcParseError(message=f"Parse error: {_brief(exc)}"))
             return
         if (problem := _envelope_problem(data)) is not None:
-            msg_id = data.get("id") if isinstance(data, dict) and _is_request_id(data.get("id")) else None
+            msg_id = (
+                data.get("id")
+                if isinstance(data, dict) and _is_request_id(data.get("id"))
+                else None
+            )
             log.warning("an invalid JSON-RPC message (%s): answered with an error", problem)
             self._send_error(msg_id, JsonRpcInvalidRequest(message=f"Invalid request: {problem}"))
             return
@@ -133,17 +139,27 @@ class WdProtocol(LanguageServerProtocol):
         detail = detail[:_DETAIL_CHARS]
         method = data.get("method")
         if method is not None and "id" in data:
-            log.warning("request %r has invalid params (%s): answered with an error", method, detail)
+            log.warning(
+                "request %r has invalid params (%s): answered with an error", method, detail
+            )
             error = JsonRpcInvalidParams(message=f"Invalid params for {method}: {detail}")
             self._send_error(data["id"], error)
         else:
-            log.warning("dropped a %s with invalid content: %s",
-                        f"{method!r} notification" if method else "response", detail)
+            log.warning(
+                "dropped a %s with invalid content: %s",
+                f"{method!r} notification" if method else "response",
+                detail,
+            )
 
     def _send_error(self, msg_id: int | str | None, error: JsonRpcException) -> None:
         # A plain dict: lsprotocol's converter leaves out `"id": null`, which JSON-RPC requires here.
-        self._send_data({"jsonrpc": self.VERSION, "id": msg_id,
-                         "error": {"code": error.code, "message": error.message}})
+        self._send_data(
+            {
+                "jsonrpc": self.VERSION,
+                "id": msg_id,
+                "error": {"code": error.code, "message": error.message},
+            }
+        )
 
 
 def _is_request_id(value: Any) -> bool:

@@ -20,7 +20,7 @@ from lsprotocol import types as T
 from pygls.capabilities import ServerCapabilitiesBuilder
 from pygls.lsp.server import LanguageServer
 
-from engine.client import EngineError, EngineUnavailable
+from engine.ipc.client import EngineError, EngineUnavailable
 
 from . import __version__
 from .config import Settings, merge_settings
@@ -54,7 +54,9 @@ class WdLanguageServer(LanguageServer):
         self.warming: dict[str, asyncio.Task] = {}
         self.latencies_ms: deque[float] = deque(maxlen=200)
         self.overheads_ms: deque[float] = deque(maxlen=200)  # request time not spent in the engine
-        self.counters = dict(requests=0, engine_calls=0, typing_through=0, empty=0, superseded=0, errors=0, warms=0)
+        self.counters = dict(
+            requests=0, engine_calls=0, typing_through=0, empty=0, superseded=0, errors=0, warms=0
+        )
         self._progress_token: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -78,10 +80,14 @@ class WdLanguageServer(LanguageServer):
 
     def _notify_status(self, state: str, message: str) -> None:
         try:
-            self.protocol.notify(STATUS_NOTIFICATION, {
-                "state": state, "message": message,
-                "lastLatencyMs": self.latencies_ms[-1] if self.latencies_ms else None,
-            })
+            self.protocol.notify(
+                STATUS_NOTIFICATION,
+                {
+                    "state": state,
+                    "message": message,
+                    "lastLatencyMs": self.latencies_ms[-1] if self.latencies_ms else None,
+                },
+            )
         except Exception:  # noqa: BLE001
             pass
 
@@ -90,7 +96,9 @@ class WdLanguageServer(LanguageServer):
         self.log(message, level)
         self._notify_status(state, message)
         if state in ("ready", "error") and self._progress_token:
-            self.work_done_progress.end(self._progress_token, T.WorkDoneProgressEnd(message=message))
+            self.work_done_progress.end(
+                self._progress_token, T.WorkDoneProgressEnd(message=message)
+            )
             self._progress_token = None
 
     def _on_engine_progress(self, message: str) -> None:
@@ -103,19 +111,30 @@ class WdLanguageServer(LanguageServer):
             if self._progress_token is None:
                 self._progress_token = f"wd-lsp-engine-{uuid.uuid4().hex[:6]}"
                 self.work_done_progress.create(self._progress_token)
-                self.work_done_progress.begin(self._progress_token, T.WorkDoneProgressBegin(title="wd-lsp engine", message=message))
+                self.work_done_progress.begin(
+                    self._progress_token,
+                    T.WorkDoneProgressBegin(title="wd-lsp engine", message=message),
+                )
             else:
-                self.work_done_progress.report(self._progress_token, T.WorkDoneProgressReport(message=message))
+                self.work_done_progress.report(
+                    self._progress_token, T.WorkDoneProgressReport(message=message)
+                )
         except Exception:  # noqa: BLE001 - progress is a courtesy; some clients refuse it
             pass
 
     def status(self) -> dict:
         lat = sorted(self.latencies_ms)
         return dict(
-            version=__version__, enabled=self.settings.enabled, engine=self.engine.state,
-            model=(self.engine.model_info or {}).get("name"), lastLatencyMs=self.latencies_ms[-1] if lat else None,
-            p50LatencyMs=lat[len(lat) // 2] if lat else None, typingThroughHits=self.memory.hits,
-            p50OverheadMs=sorted(self.overheads_ms)[len(self.overheads_ms) // 2] if self.overheads_ms else None,
+            version=__version__,
+            enabled=self.settings.enabled,
+            engine=self.engine.state,
+            model=(self.engine.model_info or {}).get("name"),
+            lastLatencyMs=self.latencies_ms[-1] if lat else None,
+            p50LatencyMs=lat[len(lat) // 2] if lat else None,
+            typingThroughHits=self.memory.hits,
+            p50OverheadMs=sorted(self.overheads_ms)[len(self.overheads_ms) // 2]
+            if self.overheads_ms
+            else None,
             **self.counters,
         )
 
@@ -126,7 +145,11 @@ class WdLanguageServer(LanguageServer):
         self.counters["requests"] += 1
         doc = self.docs.get(uri)
         s = self.settings
-        if doc is None or not s.enabled or not s.language_enabled(doc.language_id or doc.language.name):
+        if (
+            doc is None
+            or not s.enabled
+            or not s.language_enabled(doc.language_id or doc.language.name)
+        ):
             return []
         if doc.decline_reason:
             self.log(f"no completion for {uri}: file is {doc.decline_reason}")
@@ -170,12 +193,20 @@ class WdLanguageServer(LanguageServer):
         if doc.generation != generation:
             return None  # typed over during the debounce: a newer request is on its way
         try:
-            await self.engine.ensure_connected()  # the budget fits the model the engine says it serves
+            await (
+                self.engine.ensure_connected()
+            )  # the budget fits the model the engine says it serves
         except EngineUnavailable:
             self.counters["errors"] += 1
             return None
-        ctx = build_context(doc, doc.position_at(offset), open_documents=self.docs.documents(),
-                            recent_edits=self.docs.recent_edits(), budget=self._budget(), root=self.docs.root)
+        ctx = build_context(
+            doc,
+            doc.position_at(offset),
+            open_documents=self.docs.documents(),
+            recent_edits=self.docs.recent_edits(),
+            budget=self._budget(),
+            root=self.docs.root,
+        )
         rules = decide_shape(ctx, s.multiline, s.max_lines)
         self.counters["engine_calls"] += 1
         engine_started = time.monotonic()
@@ -200,7 +231,9 @@ class WdLanguageServer(LanguageServer):
         """The context budget, fitted to the engine's model once it has said what its context is."""
         info = self.engine.model_info or {}
         context = info.get("max_context")
-        return Budget().fitted(context if isinstance(context, int) else None, self.settings.max_tokens)
+        return Budget().fitted(
+            context if isinstance(context, int) else None, self.settings.max_tokens
+        )
 
     def _record_latency(self, started: float) -> None:
         self.latencies_ms.append(1000 * (time.monotonic() - started))
@@ -228,9 +261,14 @@ class WdLanguageServer(LanguageServer):
             return  # a completion is on its way: it computes the same prompt
         try:
             await self.engine.ensure_connected()
-            ctx = build_context(doc, doc.position_at(min(offset, len(doc.text))),
-                                open_documents=self.docs.documents(), recent_edits=self.docs.recent_edits(),
-                                budget=self._budget(), root=self.docs.root)
+            ctx = build_context(
+                doc,
+                doc.position_at(min(offset, len(doc.text))),
+                open_documents=self.docs.documents(),
+                recent_edits=self.docs.recent_edits(),
+                budget=self._budget(),
+                root=self.docs.root,
+            )
             self.counters["warms"] += 1
             await self.engine.warm(ctx, key=f"{self.instance}:{doc.uri}")
         except (EngineUnavailable, EngineError):
@@ -247,9 +285,12 @@ def on_initialize(ls: WdLanguageServer, params: T.InitializeParams):
     # initialize result; every document counts its positions in it.
     chosen = ServerCapabilitiesBuilder.choose_position_encoding(params.capabilities)
     ls.docs.encoding = str(getattr(chosen, "value", chosen))
-    ls.settings = merge_settings(ls.settings, params.initialization_options,
-                                 warn=lambda m: ls.log(m, T.MessageType.Warning))
-    root = params.root_uri or (params.workspace_folders[0].uri if params.workspace_folders else None)
+    ls.settings = merge_settings(
+        ls.settings, params.initialization_options, warn=lambda m: ls.log(m, T.MessageType.Warning)
+    )
+    root = params.root_uri or (
+        params.workspace_folders[0].uri if params.workspace_folders else None
+    )
     if root:
         from .document import uri_to_path
 
@@ -261,7 +302,9 @@ def on_initialize(ls: WdLanguageServer, params: T.InitializeParams):
 async def on_initialized(ls: WdLanguageServer, params: T.InitializedParams):
     ls._notify_status("disabled" if not ls.settings.enabled else "starting", "wd-lsp started")
     if ls.settings.enabled:
-        asyncio.ensure_future(_connect_quietly(ls))  # start loading the model before the first keystroke
+        asyncio.ensure_future(
+            _connect_quietly(ls)
+        )  # start loading the model before the first keystroke
 
 
 async def _connect_quietly(ls: WdLanguageServer) -> None:
@@ -273,9 +316,13 @@ async def _connect_quietly(ls: WdLanguageServer) -> None:
 
 @server.feature(T.WORKSPACE_DID_CHANGE_CONFIGURATION)
 def on_configuration(ls: WdLanguageServer, params: T.DidChangeConfigurationParams):
-    ls.settings = merge_settings(ls.settings, params.settings, warn=lambda m: ls.log(m, T.MessageType.Warning))
+    ls.settings = merge_settings(
+        ls.settings, params.settings, warn=lambda m: ls.log(m, T.MessageType.Warning)
+    )
     ls.configure_backend()
-    ls._notify_status("disabled" if not ls.settings.enabled else ls.engine.state, "settings updated")
+    ls._notify_status(
+        "disabled" if not ls.settings.enabled else ls.engine.state, "settings updated"
+    )
 
 
 @server.feature(T.TEXT_DOCUMENT_DID_OPEN)
@@ -317,9 +364,12 @@ async def on_inline_completion(ls: WdLanguageServer, params: T.InlineCompletionP
         log.exception("inline completion failed")
         ls.log(f"inline completion failed: {exc}", T.MessageType.Error)
         return T.InlineCompletionList(items=[])
-    return T.InlineCompletionList(items=[
-        T.InlineCompletionItem(insert_text=text, range=T.Range(start=pos, end=pos)) for text, pos in items
-    ])
+    return T.InlineCompletionList(
+        items=[
+            T.InlineCompletionItem(insert_text=text, range=T.Range(start=pos, end=pos))
+            for text, pos in items
+        ]
+    )
 
 
 @server.feature(T.TEXT_DOCUMENT_COMPLETION, T.CompletionOptions(trigger_characters=[".", "(", " "]))
@@ -336,11 +386,17 @@ async def on_completion(ls: WdLanguageServer, params: T.CompletionParams):
     out = []
     for text, pos in items:
         first = text.split("\n", 1)[0].strip() or text.strip()
-        out.append(T.CompletionItem(
-            label=first[:60], kind=T.CompletionItemKind.Text, detail="wd-lsp", sort_text="0",
-            filter_text=first, insert_text_format=T.InsertTextFormat.PlainText,
-            text_edit=T.TextEdit(range=T.Range(start=pos, end=pos), new_text=text),
-        ))
+        out.append(
+            T.CompletionItem(
+                label=first[:60],
+                kind=T.CompletionItemKind.Text,
+                detail="wd-lsp",
+                sort_text="0",
+                filter_text=first,
+                insert_text_format=T.InsertTextFormat.PlainText,
+                text_edit=T.TextEdit(range=T.Range(start=pos, end=pos), new_text=text),
+            )
+        )
     return T.CompletionList(is_incomplete=True, items=out)
 
 
@@ -374,8 +430,13 @@ async def cmd_document_state(ls: WdLanguageServer, *args):
     if doc is None:
         return {"uri": uri, "open": False}
     state = dict(
-        uri=uri, open=True, version=doc.version, encoding=doc.encoding, lineCount=doc.line_count,
-        length=units_len(doc.text, doc.encoding), sha256=hashlib.sha256(doc.source_bytes).hexdigest(),
+        uri=uri,
+        open=True,
+        version=doc.version,
+        encoding=doc.encoding,
+        lineCount=doc.line_count,
+        length=units_len(doc.text, doc.encoding),
+        sha256=hashlib.sha256(doc.source_bytes).hexdigest(),
     )
     if len(args) > 1 and args[1] is True:
         state["text"] = doc.text

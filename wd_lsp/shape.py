@@ -63,9 +63,7 @@ class StopRules:
         return d
 
 
-def decide_shape(
-    ctx: CompletionContext, policy: str = "auto", max_lines: int = 16
-) -> StopRules:
+def decide_shape(ctx: CompletionContext, policy: str = "auto", max_lines: int = 16) -> StopRules:
     """Single- or multi-line for this cursor, and how decoding should stop.
 
     policy: "auto" (from the syntax), "single" or "multi" (forced by configuration).
@@ -179,7 +177,11 @@ def apply_stop_rules(text: str, rules: StopRules) -> tuple[str, bool]:
             if not line.strip():
                 continue
             if columns(leading_ws(line), rules.tab_width) < rules.block_indent:
-                closing = rules.keep_closing_line and line.strip()[0] in ")]}" and _CLOSERS_ONLY.match(line)
+                closing = (
+                    rules.keep_closing_line
+                    and line.strip()[0] in ")]}"
+                    and _CLOSERS_ONLY.match(line)
+                )
                 if closing and i == len(lines) - 1:
                     break  # "}" may still grow into "} else {": decide when the line ends
                 lines, stopped = lines[: i + 1 if closing else i], True

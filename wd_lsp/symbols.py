@@ -6,7 +6,7 @@ import os
 import re
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from .document import Document
@@ -21,8 +21,10 @@ class Definition:
     end_line: int
     body_line: int  # first line of the body (== start_line when there is no separate body)
 
-    def shifted(self, lines: int) -> "Definition":
-        return Definition(self.name, self.start_line + lines, self.end_line + lines, self.body_line + lines)
+    def shifted(self, lines: int) -> Definition:
+        return Definition(
+            self.name, self.start_line + lines, self.end_line + lines, self.body_line + lines
+        )
 
 
 @dataclass(frozen=True)
@@ -31,11 +33,11 @@ class Import:
     segments: tuple[str, ...]  # path segments: "pkg.util" -> ("pkg", "util")
     relative: bool  # "./x", ".x", "super::x": resolved next to the importing file
 
-    def shifted(self, lines: int) -> "Import":
+    def shifted(self, lines: int) -> Import:
         return self  # imports carry no positions
 
 
-@lru_cache(maxsize=None)
+@cache
 def _query(grammar: str, kind: str) -> Any:
     from tree_sitter import Query
 
@@ -60,7 +62,9 @@ def _matches(doc: Document, kind: str, byte_range: tuple[int, int] | None = None
 
 
 # Per document: key -> (validity key, value); weak so closed documents drop their entries.
-_cache: "weakref.WeakKeyDictionary[Document, dict[str, tuple[Any, Any]]]" = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Document, dict[str, tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _cached(doc: Document, key: str, valid: Any, compute: Any) -> Any:
@@ -75,7 +79,9 @@ def _cached(doc: Document, key: str, valid: Any, compute: Any) -> Any:
 
 def definitions(doc: Document) -> list[Definition]:
     """All definitions in `doc`, in document order (cached until the text changes)."""
-    return _cached(doc, "definitions", doc.generation, lambda: _definitions(doc, 0, doc.line_count - 1))
+    return _cached(
+        doc, "definitions", doc.generation, lambda: _definitions(doc, 0, doc.line_count - 1)
+    )
 
 
 def definitions_outside(doc: Document, lo_line: int, hi_line: int) -> list[Definition]:
@@ -95,7 +101,9 @@ def _region(doc: Document, key: str, first: int, last: int, compute: Any) -> lis
     start, end = doc.line_start(first), doc.line_end(last)
     # keyed by the region's text; values stored relative to its first line
     relative = _cached(
-        doc, key, (hash(doc.text[start:end]), end - start),
+        doc,
+        key,
+        (hash(doc.text[start:end]), end - start),
         lambda: [d.shifted(-first) for d in compute(doc, first, last)],
     )
     return [d.shifted(first) for d in relative] if first else list(relative)
@@ -248,7 +256,9 @@ def imports_file(imp: Import, path: str, language: str) -> bool:
         if mod[-1] != want[-1]:
             continue
         matched = 1
-        while matched < len(want) and matched < len(mod) and mod[-1 - matched] == want[-1 - matched]:
+        while (
+            matched < len(want) and matched < len(mod) and mod[-1 - matched] == want[-1 - matched]
+        ):
             matched += 1
         if matched >= min(len(want), 2) or imp.relative:
             return True

@@ -55,7 +55,9 @@ _NAME_TAIL = len(b"content-length") - 1  # kept while hunting: a name may be spl
 _NAME_SKIP = len(b"content-")  # dropped from a broken header block so hunting moves past it
 _HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*:[ \t]*(.*?)[ \t]*\r?\n")
 # A header line inside a body; bounded so that a match is at most _EMBED_SPAN bytes long.
-_EMBEDDED_HEADER = re.compile(rb"content-length[ \t]{0,8}:[ \t]{0,8}\d{1,20}[ \t]{0,8}\r?\n", re.IGNORECASE)
+_EMBEDDED_HEADER = re.compile(
+    rb"content-length[ \t]{0,8}:[ \t]{0,8}\d{1,20}[ \t]{0,8}\r?\n", re.IGNORECASE
+)
 _EMBED_SPAN = 64
 # The start of a header line cut off by the end of a body: a name prefix (shorter than a name) or a
 # name followed by what the line may hold before its line break. Matched case-insensitively
@@ -63,9 +65,10 @@ _EMBED_SPAN = 64
 # JSON string at the top) may end in one.
 _HEADER_NAMES = (b"content-length", b"content-type")
 _HEADER_LINE_START = re.compile(
-    rb'content-(?:length[ \t]*(?::[ \t]*\d*[ \t]*\r?)?|type[ \t]*(?::[^\r\n"]*\r?)?)', re.IGNORECASE)
+    rb'content-(?:length[ \t]*(?::[ \t]*\d*[ \t]*\r?)?|type[ \t]*(?::[^\r\n"]*\r?)?)', re.IGNORECASE
+)
 _MAX_LENGTH_DIGITS = 20  # more digits than this is over any cap; int() refuses ~4300+ digits
-_HUGE_LENGTH = 10 ** _MAX_LENGTH_DIGITS
+_HUGE_LENGTH = 10**_MAX_LENGTH_DIGITS
 
 
 class Framer:
@@ -89,8 +92,11 @@ class Framer:
             length, size = header
             if length > self._max_body:
                 declared = length if length < _HUGE_LENGTH else f"10^{_MAX_LENGTH_DIGITS} or more"
-                self._drop(size, f"a declared Content-Length of {declared} bytes, over the cap of "
-                                 f"{self._max_body}")
+                self._drop(
+                    size,
+                    f"a declared Content-Length of {declared} bytes, over the cap of "
+                    f"{self._max_body}",
+                )
                 continue
             del self._buf[:size]
             self._report_drops()
@@ -131,14 +137,20 @@ class Framer:
                 if not await self._fill():
                     return self._broken("the end of the stream inside a header")
                 continue
-            line = bytes(self._buf[start:end + 1])
+            line = bytes(self._buf[start : end + 1])
             start = end + 1
             if line in (b"\r\n", b"\n"):
-                return (length, start) if length is not None else self._broken("a header without length")
+                return (
+                    (length, start)
+                    if length is not None
+                    else self._broken("a header without length")
+                )
             match = _HEADER_LINE.fullmatch(line)
             if match is None or start > MAX_HEADER_BYTES:
                 return self._broken("a malformed header")
-            if match[1].lower() == b"content-length":  # Content-Type and unknown headers are ignored
+            if (
+                match[1].lower() == b"content-length"
+            ):  # Content-Type and unknown headers are ignored
                 value = match[2]
                 if length is not None or not value.isdigit():
                     return self._broken("a malformed Content-Length")
@@ -154,8 +166,12 @@ class Framer:
         while True:
             cut = self._header_inside(scanned, length)
             if cut is not None:
-                log.warning("a message body ended after %d of its declared %d bytes, where the next "
-                            "header starts; reading on from that header", cut, length)
+                log.warning(
+                    "a message body ended after %d of its declared %d bytes, where the next "
+                    "header starts; reading on from that header",
+                    cut,
+                    length,
+                )
                 return self._take(cut)
             if len(self._buf) >= length and not self._ends_in_header_start(length):
                 return self._take(length)
@@ -163,8 +179,11 @@ class Framer:
             if not await self._fill():
                 if len(self._buf) >= length:  # the header it seemed to start never came
                     return self._take(length)
-                log.warning("the stream ended inside a message body (%d of %d bytes): dropped",
-                            len(self._buf), length)
+                log.warning(
+                    "the stream ended inside a message body (%d of %d bytes): dropped",
+                    len(self._buf),
+                    length,
+                )
                 self._buf.clear()
                 return None
 
@@ -182,7 +201,7 @@ class Framer:
         whose end is not buffered yet (once it is, `_header_inside` finds a Content-Length line)."""
         if len(self._buf) >= length + _EMBED_SPAN:
             return False
-        tail = bytes(self._buf[max(0, length - _EMBED_SPAN):length])
+        tail = bytes(self._buf[max(0, length - _EMBED_SPAN) : length])
         start = max(tail.rfind(b"\n"), tail.rfind(b"}"), tail.rfind(b"]")) + 1
         if start == 0:  # a header line starts after a line break or at the end of a JSON value
             return False
@@ -204,8 +223,12 @@ class Framer:
     def _report_drops(self) -> None:
         if self._dropped:
             level = logging.WARNING if self._noise else logging.DEBUG
-            log.log(level, "dropped %d bytes that are not a well-framed message (first: %s)",
-                    self._dropped, self._why)
+            log.log(
+                level,
+                "dropped %d bytes that are not a well-framed message (first: %s)",
+                self._dropped,
+                self._why,
+            )
         self._dropped, self._noise, self._why = 0, False, None
 
 

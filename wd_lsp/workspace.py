@@ -7,7 +7,7 @@ set counts its positions in it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from .document import DEFAULT_MAX_BYTES, Document, PositionLike
 from .text import UTF16
@@ -26,7 +26,9 @@ class Workspace:
         self._edit_order: deque[str] = deque(maxlen=RECENT_EDITS_KEPT)  # uris, newest last
 
     def open(self, uri: str, text: str, language_id: str = "", version: int = 0) -> Document:
-        doc = Document(uri, text, language_id, version, max_bytes=self.max_bytes, encoding=self.encoding)
+        doc = Document(
+            uri, text, language_id, version, max_bytes=self.max_bytes, encoding=self.encoding
+        )
         self._docs[uri] = doc
         return doc
 
@@ -35,7 +37,9 @@ class Workspace:
 
     def close(self, uri: str) -> None:
         self._docs.pop(uri, None)
-        self._edit_order = deque((u for u in self._edit_order if u != uri), maxlen=RECENT_EDITS_KEPT)
+        self._edit_order = deque(
+            (u for u in self._edit_order if u != uri), maxlen=RECENT_EDITS_KEPT
+        )
 
     def change(
         self,

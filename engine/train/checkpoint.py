@@ -4,6 +4,7 @@
 Adam moments are not saved (fp32 moments would be ~180 MB): a resumed run restarts the optimizer
 with a short warm-up, which costs a few dozen steps, not quality.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import int4
-from engine.fp8 import SCALE_SUFFIX, block_size, dequantize
+from engine.loading import int4
+from engine.loading.fp8 import SCALE_SUFFIX, block_size, dequantize
 
 SHARD_BYTES = 16_000_000
 
@@ -35,14 +36,22 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
         size += t.numel() * 2
     shards.append(cur)
     for i, shard in enumerate(shards):
-        save_file(shard, str(out / f"model-{i:02d}-of-{len(shards):02d}.safetensors"), metadata={"format": "pt"})
+        save_file(
+            shard,
+            str(out / f"model-{i:02d}-of-{len(shards):02d}.safetensors"),
+            metadata={"format": "pt"},
+        )
     (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     out.rename(final)
 
 
 # A run resumes from a checkpoint folder or from an exported model folder (the shipped model).
-EXPORTED_WEIGHTS, EXPORTED_STATE, EXPORTED_LOG = "model.safetensors", "training_state.json", "training_log.jsonl"
+EXPORTED_WEIGHTS, EXPORTED_STATE, EXPORTED_LOG = (
+    "model.safetensors",
+    "training_state.json",
+    "training_log.jsonl",
+)
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -56,14 +65,18 @@ def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
         config = Path(ckpt) / "config.json"
         block = block_size(json.loads(config.read_text())) if config.exists() else None
         if block is None:
-            raise ValueError(f"{ckpt} holds fp8 scales but its config.json names no fp8 quantization_config")
+            raise ValueError(
+                f"{ckpt} holds fp8 scales but its config.json names no fp8 quantization_config"
+            )
         for key in scales:
             name = key.removesuffix(SCALE_SUFFIX)
             weights[name] = dequantize(weights[name], weights.pop(key), block, torch.bfloat16)
     for key in [k for k in weights if k.endswith(".weight_packed")]:
         name = key.removesuffix("_packed")
         shape = weights.pop(name + "_shape").tolist()
-        weights[name] = int4.dequantize(weights.pop(key), weights.pop(name + "_scale"), shape, torch.bfloat16)
+        weights[name] = int4.dequantize(
+            weights.pop(key), weights.pop(name + "_scale"), shape, torch.bfloat16
+        )
     return weights
 
 

@@ -7,6 +7,7 @@ the tasks where they differ: McNemar's exact test on the discordant pairs (tasks
 one of the two). Prints the counts, each model's exact match and edit similarity on the shared
 tasks, and the two-sided p-value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
     n, k = only_a + only_b, min(only_a, only_b)
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -46,18 +47,30 @@ def compare(old: dict, new: dict) -> dict:
     n = len(shared)
 
     def summary(rows):
-        return {"exact_match": round(sum(rows[k]["exact"] for k in shared) / n, 4),
-                "edit_similarity": round(sum(edit_similarity(rows[k]["pred"], rows[k]["middle"]) for k in shared) / n, 4),
-                "empty": sum(not rows[k]["pred"].strip() for k in shared)}
+        return {
+            "exact_match": round(sum(rows[k]["exact"] for k in shared) / n, 4),
+            "edit_similarity": round(
+                sum(edit_similarity(rows[k]["pred"], rows[k]["middle"]) for k in shared) / n, 4
+            ),
+            "empty": sum(not rows[k]["pred"].strip() for k in shared),
+        }
 
-    return {"tasks": n, "only_in_one_file": len(old.keys() ^ new.keys()), "both_exact": both,
-            "only_old_exact": only_old, "only_new_exact": only_new,
-            "mcnemar_p": round(mcnemar_exact(only_old, only_new), 4),
-            "old": summary(old), "new": summary(new)}
+    return {
+        "tasks": n,
+        "only_in_one_file": len(old.keys() ^ new.keys()),
+        "both_exact": both,
+        "only_old_exact": only_old,
+        "only_new_exact": only_new,
+        "mcnemar_p": round(mcnemar_exact(only_old, only_new), 4),
+        "old": summary(old),
+        "new": summary(new),
+    }
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
     args = ap.parse_args(argv)

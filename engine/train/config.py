@@ -1,5 +1,6 @@
 """The default model's architecture, written as a Qwen3-MoE `config.json` in the same key style
 as the real Qwen3-Coder checkpoints (`num_experts`, `rope_theta`, `torch_dtype`)."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,13 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
-GENERATION_CONFIG = {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 4,
-                     "do_sample": False, "max_new_tokens": 64}
+GENERATION_CONFIG = {
+    "bos_token_id": None,
+    "eos_token_id": 0,
+    "pad_token_id": 4,
+    "do_sample": False,
+    "max_new_tokens": 64,
+}
 
 
 def write_configs(out: Path, config: dict = CONFIG) -> None:
@@ -65,6 +71,8 @@ def load_config(model_dir: Path) -> dict:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="Write config.json and generation_config.json into a model folder.")
+    ap = argparse.ArgumentParser(
+        description="Write config.json and generation_config.json into a model folder."
+    )
     ap.add_argument("--out", type=Path, required=True)
     write_configs(ap.parse_args().out)

@@ -5,6 +5,7 @@ int64 tensors (inputs and shifted targets share one row); a FIM example never st
 level, half of them aligned to whole lines (as an editor completes a line or a block), and each
 piece is tokenized on its own, exactly as inference prompts are.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,19 @@ from tokenizers import Tokenizer
 
 from .fim_format import ENDOFTEXT, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 
-CHUNK_CHARS = 3000       # about 800 tokens, so one FIM example fits in one 1024-token row
+CHUNK_CHARS = 3000  # about 800 tokens, so one FIM example fits in one 1024-token row
 # SPM is the order the server prompts with (suffix first keeps the prefix cache warm), so it gets
 # the larger share; PSM stays in the mix for PSM-only clients. The rest (0.3) is left-to-right.
 P_PSM, P_SPM = 0.25, 0.45
-P_LINE_ALIGNED = 0.6     # an editor mostly completes at a line's indentation: a line or a block
+P_LINE_ALIGNED = 0.6  # an editor mostly completes at a line's indentation: a line or a block
 P_INDENT_IN_PREFIX = 0.75
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
     tok = Tokenizer.from_file(str(path))
-    tok.encode_special_tokens = True  # "<|endoftext|>" inside a source file is text, not a control token
+    tok.encode_special_tokens = (
+        True  # "<|endoftext|>" inside a source file is text, not a control token
+    )
     return tok
 
 
@@ -68,7 +71,9 @@ def fim_split(text: str, rng: random.Random) -> tuple[str, str, str]:
 class ExampleEncoder:
     def __init__(self, tok: Tokenizer):
         self.tok = tok
-        self.eos, self.pre, self.mid, self.suf = (tok.token_to_id(t) for t in (ENDOFTEXT, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX))
+        self.eos, self.pre, self.mid, self.suf = (
+            tok.token_to_id(t) for t in (ENDOFTEXT, FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX)
+        )
 
     def enc(self, s: str) -> list[int]:
         return self.tok.encode(s, add_special_tokens=False).ids if s else []
@@ -102,7 +107,7 @@ class RowPacker:
             self.plain.extend(ids)
             while len(self.plain) >= 2 * self.width:  # plenty of filler: ship some as plain rows
                 yield self.plain[: self.width]
-                self.plain = self.plain[self.width:]
+                self.plain = self.plain[self.width :]
             return
         if len(ids) > self.width:
             ids = ids[: self.width]  # rare with CHUNK_CHARS; the middle's tail is what gets lost
@@ -158,13 +163,21 @@ def heldout_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: int):
     return rows, token_byte_lengths(tok)[rows[:, 1:]]
 
 
-def heldout_fim_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: int, seed: int = 0,
-                     healed: bool = False):
+def heldout_fim_rows(
+    docs: list[str],
+    tok: Tokenizer,
+    seq_len: int,
+    max_rows: int,
+    seed: int = 0,
+    healed: bool = False,
+):
     """Single-line SPM examples cut from held-out files as the eval cuts them (fim_tasks), one per
     padded row, and the mask of the targets that are the middle and its end: the loss there tracks
     what completions need, which the left-to-right loss can miss. `healed`: the cursor line's
     indentation moves from the prefix to the middle, as the engine's token healing prompts."""
-    from .fim_tasks import make_task  # the eval's cut: a random non-empty line, indentation in the prefix
+    from .fim_tasks import (
+        make_task,
+    )  # the eval's cut: a random non-empty line, indentation in the prefix
 
     eos, pad = tok.token_to_id(ENDOFTEXT), tok.token_to_id("<|fim_pad|>")
     pre, mid, suf = (tok.token_to_id(t) for t in (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX))
@@ -178,7 +191,7 @@ def heldout_fim_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: in
         if task is None:
             continue
         prefix, middle = task.prefix, task.middle
-        indent = prefix[prefix.rfind("\n") + 1:]
+        indent = prefix[prefix.rfind("\n") + 1 :]
         if healed and indent and not indent.strip():
             prefix, middle = prefix[: len(prefix) - len(indent)], indent + middle
         head = [suf, *enc(task.suffix), pre, *enc(prefix), mid]
@@ -186,12 +199,16 @@ def heldout_fim_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: in
         if len(ids) > seq_len + 1:
             continue
         targets = torch.zeros(seq_len, dtype=torch.bool)
-        targets[len(head) - 1:len(ids) - 1] = True  # predictions of the middle's tokens and of its end
+        targets[len(head) - 1 : len(ids) - 1] = (
+            True  # predictions of the middle's tokens and of its end
+        )
         rows.append(ids + [pad] * (seq_len + 1 - len(ids)))
         masks.append(targets)
         if len(rows) == max_rows:
             break
-    return torch.tensor(rows, dtype=torch.int64).view(-1, seq_len + 1), torch.stack(masks) if masks else torch.zeros(0, seq_len, dtype=torch.bool)
+    return torch.tensor(rows, dtype=torch.int64).view(-1, seq_len + 1), torch.stack(
+        masks
+    ) if masks else torch.zeros(0, seq_len, dtype=torch.bool)
 
 
 def token_byte_lengths(tok: Tokenizer) -> torch.Tensor:

@@ -11,6 +11,7 @@ Tasks keep 2,000 characters of prefix and 1,000 of suffix (the eval's numbers si
 model); `--editor-context` measures what the language server sends the model instead: its context
 budget fitted to the model's context, in the prompt layout of the engine daemon.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.protocol import MAX_BEAMS
+from engine.ipc.protocol import MAX_BEAMS
 
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
@@ -36,12 +37,12 @@ STOPS = {"single": ["\n"], "multi": []}
 
 class EngineBackend:
     def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1, layout: str = "eval"):
-        from engine.fim import healed_text
-        from engine.generate import complete
-        from engine.loader import load_model
-        from engine.prompt_layout import build_completion_prompt, fim_prompt_within, prompt_budget
-        from engine.server import ServeOptions
-        from engine.tokenizer import Tokenizer
+        from engine.core.generate import complete
+        from engine.loading.loader import load_model
+        from engine.loading.tokenizer import Tokenizer
+        from engine.prompts.fim import healed_text
+        from engine.prompts.layout import build_completion_prompt, fim_prompt_within, prompt_budget
+        from engine.serve.daemon import ServeOptions
         from wd_lsp.config import Settings
 
         self.model = load_model(model_dir)
@@ -52,8 +53,11 @@ class EngineBackend:
         self.beams = beams  # single-line tasks only: what the language server asks for
         self.context = self.model.config.max_position_embeddings
         # server: the daemon's budget for the language server's request (its max_tokens)
-        self.server_budget = prompt_budget(self.context, Settings().max_tokens, ServeOptions.max_prompt_tokens) \
-            if layout == "server" else None
+        self.server_budget = (
+            prompt_budget(self.context, Settings().max_tokens, ServeOptions.max_prompt_tokens)
+            if layout == "server"
+            else None
+        )
 
     def _prompt_ids(self, prefix: str, suffix: str, order: str, kind: str) -> list[int]:
         """server: the prompt the engine daemon builds for the language server's request (the
@@ -61,9 +65,18 @@ class EngineBackend:
         after the server's max_tokens). eval: the whole suffix and as much of the prefix's end as
         the context leaves after this task's new tokens (all of it for most tasks)."""
         if self.server_budget is not None:
-            return self._server_prompt(self.tok, prefix, suffix, order=order, max_prompt_tokens=self.server_budget,
-                                       repo_context=False, heal=self.heal)
-        return self._fim_prompt(self.tok, prefix, suffix, order, self.context, MAX_NEW[kind], heal=self.heal)
+            return self._server_prompt(
+                self.tok,
+                prefix,
+                suffix,
+                order=order,
+                max_prompt_tokens=self.server_budget,
+                repo_context=False,
+                heal=self.heal,
+            )
+        return self._fim_prompt(
+            self.tok, prefix, suffix, order, self.context, MAX_NEW[kind], heal=self.heal
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -71,8 +84,16 @@ class EngineBackend:
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
         ids = self._prompt_ids(prefix, suffix, order, kind)
         forced = self._healed(self.tok, prefix) if self.heal else ""
-        text, _ = self._complete(self.model, self.tok, ids, max_tokens=MAX_NEW[kind], temperature=0.0,
-                                 stop=STOPS[kind], forced_text=forced, beams=self.beams if kind == "single" else 1)
+        text, _ = self._complete(
+            self.model,
+            self.tok,
+            ids,
+            max_tokens=MAX_NEW[kind],
+            temperature=0.0,
+            stop=STOPS[kind],
+            forced_text=forced,
+            beams=self.beams if kind == "single" else 1,
+        )
         return text
 
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -91,7 +112,7 @@ class TransformersBackend:
         self.tok = load_tokenizer(model_dir / "tokenizer.json")
         self._prompt = fim_prompt_ids
         # The engine's rule for control tokens, so both backends end alike.
-        from engine.tokenizer import Tokenizer
+        from engine.loading.tokenizer import Tokenizer
 
         rules = Tokenizer.from_dir(model_dir)
         self.ending, self.unsampled = list(rules.eos_ids), list(rules.unsampled_ids)
@@ -106,12 +127,22 @@ class TransformersBackend:
         excess = len(ids) - (self.model.config.max_position_embeddings - MAX_NEW[kind] - 1)
         if excess > 0:  # the prefix's start goes (at a token; the engine backend drops whole lines)
             kept = self.encode(prefix)[excess:]
-            ids = self._prompt(lambda text: kept if text == prefix else self.encode(text), self.tok.token_to_id,
-                               prefix, suffix, order)
-        out = self.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW[kind], do_sample=False,
-                                  eos_token_id=self.ending, pad_token_id=self.eos,
-                                  suppress_tokens=self.unsampled or None)[0, len(ids):].tolist()
-        out = out[:next((i for i, t in enumerate(out) if t in self.ending), len(out))]
+            ids = self._prompt(
+                lambda text: kept if text == prefix else self.encode(text),
+                self.tok.token_to_id,
+                prefix,
+                suffix,
+                order,
+            )
+        out = self.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_NEW[kind],
+            do_sample=False,
+            eos_token_id=self.ending,
+            pad_token_id=self.eos,
+            suppress_tokens=self.unsampled or None,
+        )[0, len(ids) :].tolist()
+        out = out[: next((i for i, t in enumerate(out) if t in self.ending), len(out))]
         text = self.tok.decode(out, skip_special_tokens=False)
         for stop in STOPS[kind]:
             text = text.split(stop)[0]
@@ -144,10 +175,23 @@ def interval(hits: int, n: int, by_file: dict[str, list[int]]) -> tuple[float, f
     return clustered_interval([h for h, _ in by_file.values()], [t for _, t in by_file.values()])
 
 
-def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb_tokens: int,
-        allow_changed: bool, seed: int = 0, kinds: tuple[str, ...] = ("single", "multi"),
-        heal: bool = True, tasks_per_file: int = 1, details=None, beams: int = 1,
-        prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS, layout: str = "eval") -> dict:
+def run(
+    model_dir: Path,
+    backend_name: str,
+    n_files: int,
+    orders: list[str],
+    bpb_tokens: int,
+    allow_changed: bool,
+    seed: int = 0,
+    kinds: tuple[str, ...] = ("single", "multi"),
+    heal: bool = True,
+    tasks_per_file: int = 1,
+    details=None,
+    beams: int = 1,
+    prefix_chars: int = PREFIX_CHARS,
+    suffix_chars: int = SUFFIX_CHARS,
+    layout: str = "eval",
+) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
@@ -156,11 +200,23 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
         raise SystemExit("--beams runs through the engine only")
     if layout == "server" and backend_name != "engine":
         raise SystemExit("--layout server (and --editor-context) run through the engine only")
-    backend = EngineBackend(model_dir, heal, beams, layout) if backend_name == "engine" else TransformersBackend(model_dir)
-    result = {"model": model_dir.name, "backend": backend_name, "files": len(docs), "seed": seed,
-              "tasks_per_file": tasks_per_file, "single_line_beams": beams,
-              "context_chars": [prefix_chars, suffix_chars], "layout": layout,
-              "token_healing": heal and backend_name == "engine", "load_s": round(time.time() - t0, 3)}
+    backend = (
+        EngineBackend(model_dir, heal, beams, layout)
+        if backend_name == "engine"
+        else TransformersBackend(model_dir)
+    )
+    result = {
+        "model": model_dir.name,
+        "backend": backend_name,
+        "files": len(docs),
+        "seed": seed,
+        "tasks_per_file": tasks_per_file,
+        "single_line_beams": beams,
+        "context_chars": [prefix_chars, suffix_chars],
+        "layout": layout,
+        "token_healing": heal and backend_name == "engine",
+        "load_s": round(time.time() - t0, 3),
+    }
     for kind in kinds:
         tasks = make_tasks(docs, kind, seed, tasks_per_file, prefix_chars, suffix_chars)
         for order in orders:
@@ -179,13 +235,27 @@ def run(model_dir: Path, backend_name: str, n_files: int, orders: list[str], bpb
                 per_file[1] += 1
                 es += edit_similarity(pred, task.middle)
                 if details is not None:  # per task, so two models can be compared task by task
-                    details.write(json.dumps({"kind": kind, "order": order, "task": task.doc_id, "middle": task.middle,
-                                              "pred": pred, "exact": bool(hit)}) + "\n")
-            result[f"{kind}_{order}"] = {"tasks": len(tasks), "exact_match": round(em / len(tasks), 4),
-                                         "exact_match_ci95": [round(x, 4) for x in interval(em, len(tasks), by_file)],
-                                         "edit_similarity": round(es / len(tasks), 4),
-                                         "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
-                                         "seconds": round(time.time() - t1, 1)}
+                    details.write(
+                        json.dumps(
+                            {
+                                "kind": kind,
+                                "order": order,
+                                "task": task.doc_id,
+                                "middle": task.middle,
+                                "pred": pred,
+                                "exact": bool(hit),
+                            }
+                        )
+                        + "\n"
+                    )
+            result[f"{kind}_{order}"] = {
+                "tasks": len(tasks),
+                "exact_match": round(em / len(tasks), 4),
+                "exact_match_ci95": [round(x, 4) for x in interval(em, len(tasks), by_file)],
+                "edit_similarity": round(es / len(tasks), 4),
+                "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
+                "seconds": round(time.time() - t1, 1),
+            }
             print(kind, order, result[f"{kind}_{order}"], flush=True)
     if bpb_tokens:
         result["bits_per_byte"] = round(bits_per_byte(backend, docs, model_dir, bpb_tokens), 4)
@@ -202,36 +272,74 @@ def editor_context_chars(model_dir: Path) -> tuple[int, int]:
 
     context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     budget = Budget().fitted(context, Settings().max_tokens)
-    return int(budget.prefix_tokens * budget.chars_per_token), int(budget.suffix_tokens * budget.chars_per_token)
+    return int(budget.prefix_tokens * budget.chars_per_token), int(
+        budget.suffix_tokens * budget.chars_per_token
+    )
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--backend", choices=["engine", "transformers"], default="engine")
-    ap.add_argument("--files", type=int, default=100, help="held-out Python files to use (in list order)")
+    ap.add_argument(
+        "--files", type=int, default=100, help="held-out Python files to use (in list order)"
+    )
     ap.add_argument("--orders", default="psm,spm")
     ap.add_argument("--kinds", default="single,multi")
     ap.add_argument("--bpb-tokens", type=int, default=1024, help="0 skips bits per byte")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tasks-per-file", type=int, default=1,
-                    help="FIM tasks cut from each file, at distinct lines (more tasks, a tighter interval)")
-    ap.add_argument("--allow-changed", action="store_true", help="use files whose content differs from the list")
+    ap.add_argument(
+        "--tasks-per-file",
+        type=int,
+        default=1,
+        help="FIM tasks cut from each file, at distinct lines (more tasks, a tighter interval)",
+    )
+    ap.add_argument(
+        "--allow-changed", action="store_true", help="use files whose content differs from the list"
+    )
     ap.add_argument("--json", type=Path, help="also write the result here")
-    ap.add_argument("--no-heal", action="store_true", help="prompt with the whole prefix, no token healing")
-    ap.add_argument("--beams", type=int, default=1,
-                    help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)")
-    ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS,
-                    help="prefix kept before the cursor, cut at a line start (see --editor-context for what the "
-                         "language server sends)")
-    ap.add_argument("--suffix-chars", type=int, default=SUFFIX_CHARS, help="suffix kept after the cursor, cut at a line end")
-    ap.add_argument("--layout", choices=["eval", "server"], default="eval",
-                    help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "
-                         "cut to the model's context and the suffix's token cap")
-    ap.add_argument("--editor-context", action="store_true",
-                    help="what the language server sends this model: --layout server, with the character budgets "
-                         "of its context budget fitted to the model's context (overrides --prefix-chars/--suffix-chars)")
-    ap.add_argument("--details", type=Path, help="write every task's completion and exact match here (JSON lines)")
+    ap.add_argument(
+        "--no-heal", action="store_true", help="prompt with the whole prefix, no token healing"
+    )
+    ap.add_argument(
+        "--beams",
+        type=int,
+        default=1,
+        help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)",
+    )
+    ap.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=PREFIX_CHARS,
+        help="prefix kept before the cursor, cut at a line start (see --editor-context for what the "
+        "language server sends)",
+    )
+    ap.add_argument(
+        "--suffix-chars",
+        type=int,
+        default=SUFFIX_CHARS,
+        help="suffix kept after the cursor, cut at a line end",
+    )
+    ap.add_argument(
+        "--layout",
+        choices=["eval", "server"],
+        default="eval",
+        help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "
+        "cut to the model's context and the suffix's token cap",
+    )
+    ap.add_argument(
+        "--editor-context",
+        action="store_true",
+        help="what the language server sends this model: --layout server, with the character budgets "
+        "of its context budget fitted to the model's context (overrides --prefix-chars/--suffix-chars)",
+    )
+    ap.add_argument(
+        "--details",
+        type=Path,
+        help="write every task's completion and exact match here (JSON lines)",
+    )
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
@@ -243,10 +351,23 @@ def main(argv=None) -> None:
     details = open(args.details, "w") if args.details else None
     try:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training
-            result = run(args.model, args.backend, args.files, args.orders.split(","), args.bpb_tokens,
-                         args.allow_changed, args.seed, tuple(args.kinds.split(",")), heal=not args.no_heal,
-                         tasks_per_file=args.tasks_per_file, details=details, beams=args.beams,
-                         prefix_chars=args.prefix_chars, suffix_chars=args.suffix_chars, layout=args.layout)
+            result = run(
+                args.model,
+                args.backend,
+                args.files,
+                args.orders.split(","),
+                args.bpb_tokens,
+                args.allow_changed,
+                args.seed,
+                tuple(args.kinds.split(",")),
+                heal=not args.no_heal,
+                tasks_per_file=args.tasks_per_file,
+                details=details,
+                beams=args.beams,
+                prefix_chars=args.prefix_chars,
+                suffix_chars=args.suffix_chars,
+                layout=args.layout,
+            )
     finally:
         if details:
             details.close()

@@ -5,9 +5,10 @@
 Writes one `model.safetensors` (standard per-expert HF keys, tied lm_head omitted as transformers
 does; bf16, or with --fp8-block the attention and expert projections as block-scaled FP8 in the
 format of Qwen's FP8 releases, which the engine and transformers both read, or with --int4-group as
-group-scaled int4 in compressed-tensors' pack-quantized format, engine/int4.py), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
+group-scaled int4 in compressed-tensors' pack-quantized format, engine/loading/int4.py), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
 `state.json` and `loss.png` next to it as `training_log.jsonl` / `training_state.json` / `loss.png`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from engine import int4
-from engine.fp8 import SCALE_SUFFIX, quantize
+from engine.loading import int4
+from engine.loading.fp8 import SCALE_SUFFIX, quantize
 
 from . import checkpoint
 from .config import CONFIG, write_configs
@@ -56,7 +57,7 @@ def fp8_weights(weights: dict, block: int) -> dict:
 
 
 def int4_weights(weights: dict, group: int) -> dict:
-    """The projections as int4 (engine/int4.py); embedding, router and norms stay bf16."""
+    """The projections as int4 (engine/loading/int4.py); embedding, router and norms stay bf16."""
     out = {}
     for name, t in weights.items():
         out.update(int4.store(name, t, group) if _is_projection(name, t) else {name: t})
@@ -72,21 +73,34 @@ def fp8_quantization_config(config: dict, block: int) -> dict:
     # Modules left in bf16 are named, as Qwen's FP8 configs do, so a loader that would swap in
     # FP8 layers (transformers on a GPU) leaves them alone.
     keep = ["lm_head", "model.embed_tokens"] + router_names(config)
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
-            "modules_to_not_convert": keep}
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": keep,
+    }
 
 
 def trained_context(state: dict) -> int:
     """The longest row any run of this model trained on: positions beyond it were never seen, so
     the engine must not prompt past it (runs that predate `seq_len` in their record used 1,024)."""
-    return max((run.get("seq_len", 1024) for run in state.get("runs", [])), default=CONFIG["max_position_embeddings"])
+    return max(
+        (run.get("seq_len", 1024) for run in state.get("runs", [])),
+        default=CONFIG["max_position_embeddings"],
+    )
 
 
-def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None, int4_group: int | None = None) -> Path:
+def export(
+    ckpt: Path, model_dir: Path, fp8_block: int | None = None, int4_group: int | None = None
+) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
     # Grown runs differ from CONFIG.
-    config = {**CONFIG, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights),
-              "max_position_embeddings": trained_context(checkpoint.load_state(ckpt))}
+    config = {
+        **CONFIG,
+        "moe_intermediate_size": expert_width(weights),
+        "num_experts": expert_count(weights),
+        "max_position_embeddings": trained_context(checkpoint.load_state(ckpt)),
+    }
     if fp8_block:
         weights = fp8_weights(weights, fp8_block)
         config["quantization_config"] = fp8_quantization_config(config, fp8_block)
@@ -105,15 +119,25 @@ def export(ckpt: Path, model_dir: Path, fp8_block: int | None = None, int4_group
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--model-dir", type=Path, required=True)
-    ap.add_argument("--fp8-block", type=int, help="ship the projections as FP8 with this block size (as trained "
-                    "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
-                    "Without it, a checkpoint trained with --fp8-block ships its unrounded bf16 weights")
-    ap.add_argument("--int4-group", type=int, help="ship the projections as int4 with one scale per this many "
-                    "input columns (as trained with train --int4-group; a multiple of 8 that divides the hidden and "
-                    "expert sizes)")
+    ap.add_argument(
+        "--fp8-block",
+        type=int,
+        help="ship the projections as FP8 with this block size (as trained "
+        "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
+        "Without it, a checkpoint trained with --fp8-block ships its unrounded bf16 weights",
+    )
+    ap.add_argument(
+        "--int4-group",
+        type=int,
+        help="ship the projections as int4 with one scale per this many "
+        "input columns (as trained with train --int4-group; a multiple of 8 that divides the hidden and "
+        "expert sizes)",
+    )
     args = ap.parse_args(argv)
     if args.fp8_block is not None and args.fp8_block <= 0:
         ap.error("--fp8-block must be a positive number of rows and columns")

@@ -14,6 +14,7 @@ under the other's licence). The corpus part they make:
         --heldout-list-out engine/train/data/heldout-extra.txt \\
         --exclude-from engine/train/data/manifest.json --exclude-from engine/train/data/manifest-gpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,28 @@ from .corpus import normalize
 
 
 def read_list(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def download(requirement: str, dest: Path) -> str | None:
     """pip download one wheel (no dependencies, no sdist builds); the error text if it failed."""
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     errors = [l for l in done.stderr.splitlines() if l.strip() and not l.startswith("[notice]")]
     return None if done.returncode == 0 else (errors or ["failed"])[-1]
@@ -66,11 +81,17 @@ def unpack(wheel: Path, site: Path) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--list", type=Path, required=True, help="one requirement (name==version) a line")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--list", type=Path, required=True, help="one requirement (name==version) a line"
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--jobs", type=int, default=6)
-    ap.add_argument("--allow-missing", action="store_true", help="go on when a wheel cannot be fetched")
+    ap.add_argument(
+        "--allow-missing", action="store_true", help="go on when a wheel cannot be fetched"
+    )
     args = ap.parse_args(argv)
     wheels, site = args.out / "wheels", args.out / "site"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -81,7 +102,9 @@ def main(argv=None) -> None:
     for r, e in failed:
         print(f"not fetched: {r}: {e}", file=sys.stderr)
     if failed and not args.allow_missing:
-        raise SystemExit(f"{len(failed)} wheels not fetched (--allow-missing to go on without them)")
+        raise SystemExit(
+            f"{len(failed)} wheels not fetched (--allow-missing to go on without them)"
+        )
     # Only the listed wheels: the folder may hold others from an earlier, different list.
     wanted = {requirement_key(r) for r in requirements}
     listed = [w for w in sorted(wheels.glob("*.whl")) if wheel_key(w.name) in wanted]

@@ -7,6 +7,7 @@ SPM (suffix first, so typing at the cursor only appends to the prompt and the KV
 Plain left-to-right documents end with <|endoftext|>. Each piece is tokenized on its own, exactly
 as an inference prompt is built from the editor's prefix and suffix.
 """
+
 from __future__ import annotations
 
 ENDOFTEXT = "<|endoftext|>"

@@ -7,6 +7,7 @@ Prefix and suffix are trimmed at line boundaries to a character budget: by defau
 1,000, which keeps prompts inside a 1024-token context (the eval's numbers since the first model);
 `eval --prefix-chars/--suffix-chars` give as much as the language server sends.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,16 +29,23 @@ class FimTask:
 def _trim(prefix: str, suffix: str, prefix_chars: int, suffix_chars: int) -> tuple[str, str]:
     if len(prefix) > prefix_chars:
         cut = prefix.find("\n", len(prefix) - prefix_chars)
-        prefix = prefix[cut + 1:] if cut != -1 else prefix[-prefix_chars:]
+        prefix = prefix[cut + 1 :] if cut != -1 else prefix[-prefix_chars:]
     if len(suffix) > suffix_chars:
         cut = suffix.rfind("\n", 0, suffix_chars)
-        suffix = suffix[:cut + 1] if cut > 0 else suffix[:suffix_chars]
+        suffix = suffix[: cut + 1] if cut > 0 else suffix[:suffix_chars]
     return prefix, suffix
 
 
-def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
-              taken: set[int] | None = None, file: str | None = None,
-              prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS) -> FimTask | None:
+def make_task(
+    doc_id: str,
+    text: str,
+    kind: str,
+    rng: random.Random,
+    taken: set[int] | None = None,
+    file: str | None = None,
+    prefix_chars: int = PREFIX_CHARS,
+    suffix_chars: int = SUFFIX_CHARS,
+) -> FimTask | None:
     """One task from a random non-empty line of `text`; `taken`: lines already used as a first
     line (skipped, and the chosen one added); `file`: where it comes from (default doc_id)."""
     lines = text.split("\n")
@@ -55,13 +63,19 @@ def make_task(doc_id: str, text: str, kind: str, rng: random.Random,
         last -= 1
     start = sum(len(l) + 1 for l in lines[:first])
     start += len(lines[first]) - len(lines[first].lstrip(" \t"))
-    end = sum(len(l) + 1 for l in lines[:last + 1]) - 1
+    end = sum(len(l) + 1 for l in lines[: last + 1]) - 1
     prefix, suffix = _trim(text[:start], text[end:], prefix_chars, suffix_chars)
     return FimTask(doc_id, kind, prefix, text[start:end], suffix, file or doc_id)
 
 
-def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: int = 1,
-               prefix_chars: int = PREFIX_CHARS, suffix_chars: int = SUFFIX_CHARS) -> list[FimTask]:
+def make_tasks(
+    docs: list[tuple[str, str]],
+    kind: str,
+    seed: int = 0,
+    per_file: int = 1,
+    prefix_chars: int = PREFIX_CHARS,
+    suffix_chars: int = SUFFIX_CHARS,
+) -> list[FimTask]:
     """Up to `per_file` tasks from each file, at distinct first lines. The first task of a file is
     the same whatever `per_file` is, so results with 1 stay comparable with earlier ones."""
     tasks = []
@@ -69,8 +83,16 @@ def make_tasks(docs: list[tuple[str, str]], kind: str, seed: int = 0, per_file: 
         rng = random.Random(f"{seed}:{kind}:{doc_id}")  # per file, so subsets give the same tasks
         taken: set[int] = set()
         for k in range(per_file):
-            task = make_task(doc_id if k == 0 else f"{doc_id}#{k}", text, kind, rng, taken, file=doc_id,
-                             prefix_chars=prefix_chars, suffix_chars=suffix_chars)
+            task = make_task(
+                doc_id if k == 0 else f"{doc_id}#{k}",
+                text,
+                kind,
+                rng,
+                taken,
+                file=doc_id,
+                prefix_chars=prefix_chars,
+                suffix_chars=suffix_chars,
+            )
             if task is None:
                 break
             tasks.append(task)

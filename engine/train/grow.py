@@ -13,6 +13,7 @@ starting over. Two ways:
   layers), and there the copy computes what a busy expert computes. The held-out loss moved by
   under 0.1% at step 0; the balance loss then pulls tokens towards the new experts.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,8 +30,9 @@ def expert_width(weights: dict[str, torch.Tensor]) -> int:
     return next((t.shape[0] for k, t in weights.items() if _GATE_UP.match(k)), 0)
 
 
-def widen_experts(weights: dict[str, torch.Tensor], width: int, std: float = 0.02,
-                  seed: int = 0) -> dict[str, torch.Tensor]:
+def widen_experts(
+    weights: dict[str, torch.Tensor], width: int, std: float = 0.02, seed: int = 0
+) -> dict[str, torch.Tensor]:
     old = expert_width(weights)
     if width < old:
         raise ValueError(f"cannot narrow experts from {old} to {width}")
@@ -63,13 +65,17 @@ def router_loads(model: torch.nn.Module, rows: torch.Tensor, batch: int = 4) -> 
         def hook(gate, inputs, logits):
             top = logits.float().topk(top_k, dim=-1).indices.flatten().cpu()
             counts[i] += torch.bincount(top, minlength=counts.shape[1])
+
         return hook
 
-    hooks = [layer.mlp.gate.register_forward_hook(counter(i, layer.mlp.top_k)) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(counter(i, layer.mlp.top_k))
+        for i, layer in enumerate(layers)
+    ]
     try:
         device = next(model.parameters()).device
         for i in range(0, len(rows), batch):
-            model(rows[i:i + batch].to(device))
+            model(rows[i : i + batch].to(device))
     finally:
         for h in hooks:
             h.remove()
@@ -83,8 +89,13 @@ def copy_sources(loads: torch.Tensor, added: int) -> list[list[int]]:
     return [[order[j % len(order)] for j in range(added)] for order in busiest]
 
 
-def add_experts(weights: dict[str, torch.Tensor], total: int, loads: torch.Tensor,
-                router_std: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
+def add_experts(
+    weights: dict[str, torch.Tensor],
+    total: int,
+    loads: torch.Tensor,
+    router_std: float = 1e-3,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
     """Grow every layer to `total` experts: the new ones copy the experts `copy_sources` names and
     get router rows drawn at `router_std`, small enough that their logits sit near 0 (see the
     module's notes)."""
@@ -103,5 +114,7 @@ def add_experts(weights: dict[str, torch.Tensor], total: int, loads: torch.Tenso
         prefix = f"model.layers.{layer}.mlp.experts"
         for j, source in enumerate(sources[layer]):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                grown[f"{prefix}.{old + j}.{proj}.weight"] = weights[f"{prefix}.{source}.{proj}.weight"].clone()
+                grown[f"{prefix}.{old + j}.{proj}.weight"] = weights[
+                    f"{prefix}.{source}.{proj}.weight"
+                ].clone()
     return grown

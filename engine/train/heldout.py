@@ -5,6 +5,7 @@ corpus (`.corpus/heldout.jsonl`) when it exists, else from the installed sources
 (the standard library, an installed package, or `.corpus/npm`). A file whose content changed
 (another version installed) is skipped unless `allow_changed` is set.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,12 @@ def _resolve(doc_id: str, npm_root: Path) -> Path | None:
     return None
 
 
-def load(lang: str | None = "python", corpus: Path = Path(".corpus"), allow_changed: bool = False,
-         limit: int | None = None) -> list[tuple[str, str]]:
+def load(
+    lang: str | None = "python",
+    corpus: Path = Path(".corpus"),
+    allow_changed: bool = False,
+    limit: int | None = None,
+) -> list[tuple[str, str]]:
     """[(id, text)] in the list's order (sorted by content hash, i.e. a fixed pseudo-random order)."""
     wanted = entries(lang)
     built = corpus / "heldout.jsonl"

@@ -3,22 +3,55 @@
 Only licences that allow redistribution of derived weights without copyleft terms are kept;
 anything unclear is rejected, so the corpus errs on the safe side.
 """
+
 from __future__ import annotations
 
 import re
 
 # SPDX ids (and the free-text spellings packages really use) that we accept.
 PERMISSIVE_IDS = {
-    "mit", "mit-0", "isc", "0bsd", "bsd", "bsd-2-clause", "bsd-3-clause", "apache-2.0", "apache",
-    "apache 2.0", "apache software license", "apache 2.0 license", "psf-2.0", "python-2.0",
-    "cnri-python", "bsl-1.0", "isc license", "mit license", "bsd license", "bsd-3-clause license",
-    "zlib", "cc0-1.0",  # numpy 2.5 declares parts under these
-    "apache license 2.0", "apache license, version 2.0", "apache license version 2.0",
-    "2-clause bsd", "3-clause bsd", "3-clause bsd license", "bsd 3-clause", "bsd 3-clause license",
-    "revised bsd license", "new bsd license", "modified bsd license", "simplified bsd license",
+    "mit",
+    "mit-0",
+    "isc",
+    "0bsd",
+    "bsd",
+    "bsd-2-clause",
+    "bsd-3-clause",
+    "apache-2.0",
+    "apache",
+    "apache 2.0",
+    "apache software license",
+    "apache 2.0 license",
+    "psf-2.0",
+    "python-2.0",
+    "cnri-python",
+    "bsl-1.0",
+    "isc license",
+    "mit license",
+    "bsd license",
+    "bsd-3-clause license",
+    "zlib",
+    "cc0-1.0",  # numpy 2.5 declares parts under these
+    "apache license 2.0",
+    "apache license, version 2.0",
+    "apache license version 2.0",
+    "2-clause bsd",
+    "3-clause bsd",
+    "3-clause bsd license",
+    "bsd 3-clause",
+    "bsd 3-clause license",
+    "revised bsd license",
+    "new bsd license",
+    "modified bsd license",
+    "simplified bsd license",
 }
-PERMISSIVE_CLASSIFIERS = ("MIT License", "BSD License", "Apache Software License",
-                          "Python Software Foundation License", "ISC License")
+PERMISSIVE_CLASSIFIERS = (
+    "MIT License",
+    "BSD License",
+    "Apache Software License",
+    "Python Software Foundation License",
+    "ISC License",
+)
 
 
 # SPDX exceptions that add permissions to a permissive licence. Any other rider ("with Commons
@@ -28,7 +61,9 @@ PERMISSIVE_EXCEPTIONS = {"llvm-exception", "swift-exception"}
 
 def _id_ok(token: str) -> bool:
     licence, *riders = re.split(r"\s+with\s+", token.strip().lower())
-    return licence.strip() in PERMISSIVE_IDS and all(r.strip() in PERMISSIVE_EXCEPTIONS for r in riders)
+    return licence.strip() in PERMISSIVE_IDS and all(
+        r.strip() in PERMISSIVE_EXCEPTIONS for r in riders
+    )
 
 
 def expression_ok(expr: str) -> bool:
@@ -82,8 +117,11 @@ def classify(metadata) -> tuple[bool, str]:
     expr = metadata.get("License-Expression")
     if expr:
         return expression_ok(expr), expr
-    classifiers = [c.split("::")[-1].strip() for c in (metadata.get_all("Classifier") or [])
-                   if c.startswith("License ::")]
+    classifiers = [
+        c.split("::")[-1].strip()
+        for c in (metadata.get_all("Classifier") or [])
+        if c.startswith("License ::")
+    ]
     text = (metadata.get("License") or "").strip()
     # A short License field is an identifier; a long one is pasted licence text: trust classifiers.
     if text and len(text) < 60 and "\n" not in text:

@@ -1,5 +1,6 @@
 """Completion metrics: exact match (trailing whitespace ignored), edit similarity, and the
 confidence interval of a rate measured on a sample of tasks."""
+
 from __future__ import annotations
 
 import math
@@ -54,7 +55,9 @@ def clustered_interval(hits: list[int], tasks: list[int], z: float = 1.96) -> tu
     p = h / n
     if files < 2 or p in (0.0, 1.0):
         return wilson_interval(h, n, z)
-    across_files = files / (files - 1) * sum((hi - p * ni) ** 2 for hi, ni in zip(hits, tasks)) / n ** 2
+    across_files = (
+        files / (files - 1) * sum((hi - p * ni) ** 2 for hi, ni in zip(hits, tasks)) / n**2
+    )
     design_effect = max(1.0, across_files / (p * (1 - p) / n))
     n_eff = n / design_effect
     return wilson_interval(p * n_eff, n_eff, z)

@@ -5,13 +5,14 @@ checkpoint. Semantics follow transformers' Qwen3MoeForCausalLM: per-head q/k RMS
 
 Only training needs this module; serving uses the engine, and tests check it against transformers.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import fp8, int4
+from engine.loading import fp8, int4
 
 
 class Linear(nn.Linear):
@@ -28,7 +29,11 @@ class Linear(nn.Linear):
     def effective_weight(self) -> torch.Tensor:
         if self.int4_group is not None:
             return int4.fake_quantize(self.weight, self.int4_group)
-        return self.weight if self.fp8_block is None else fp8.fake_quantize(self.weight, self.fp8_block)
+        return (
+            self.weight
+            if self.fp8_block is None
+            else fp8.fake_quantize(self.weight, self.fp8_block)
+        )
 
     def forward(self, x):
         return F.linear(x, self.effective_weight())
@@ -48,8 +53,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -64,7 +71,11 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        self.n_heads, self.n_kv, self.head_dim = (
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["head_dim"],
+        )
         h = c["hidden_size"]
         self.q_proj = Linear(h, self.n_heads * self.head_dim)
         self.k_proj = Linear(h, self.n_kv * self.head_dim)
@@ -80,8 +91,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv  # GQA: kv head j serves q heads j*rep .. j*rep+rep-1
-        k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-        v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+        k = (
+            k[:, :, None]
+            .expand(b, self.n_kv, rep, t, self.head_dim)
+            .reshape(b, self.n_heads, t, self.head_dim)
+        )
+        v = (
+            v[:, :, None]
+            .expand(b, self.n_kv, rep, t, self.head_dim)
+            .reshape(b, self.n_heads, t, self.head_dim)
+        )
         q, k, v = q.to(v.dtype), k.to(v.dtype), v
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -111,11 +130,16 @@ class SparseMoe(nn.Module):
 
     def __init__(self, c: dict, dense: bool = False):
         super().__init__()
-        self.top_k, self.n_experts, self.norm_topk = c["num_experts_per_tok"], c["num_experts"], c["norm_topk_prob"]
+        self.top_k, self.n_experts, self.norm_topk = (
+            c["num_experts_per_tok"],
+            c["num_experts"],
+            c["norm_topk_prob"],
+        )
         self.dense = dense
         self.gate = nn.Linear(c["hidden_size"], self.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(c["hidden_size"], c["moe_intermediate_size"])
-                                     for _ in range(self.n_experts))
+        self.experts = nn.ModuleList(
+            Expert(c["hidden_size"], c["moe_intermediate_size"]) for _ in range(self.n_experts)
+        )
 
     def route(self, x):
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -140,17 +164,21 @@ class SparseMoe(nn.Module):
         token_of_slot = order // self.top_k
         counts = torch.bincount(flat_e, minlength=self.n_experts).tolist()
         xs = x[token_of_slot]
-        outs = [self.experts[e](chunk) for e, chunk in enumerate(torch.split(xs, counts)) if counts[e]]
+        outs = [
+            self.experts[e](chunk) for e, chunk in enumerate(torch.split(xs, counts)) if counts[e]
+        ]
         ys = torch.cat(outs) * top_w.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
 
     def _dense(self, x, top_w, top_i):
         n, inter = x.shape[0], self.experts[0].gate_proj.weight.shape[0]
-        gate_w = torch.cat([e.gate_proj.effective_weight() for e in self.experts])     # [E*I, H]
-        up_w = torch.cat([e.up_proj.effective_weight() for e in self.experts])         # [E*I, H]
+        gate_w = torch.cat([e.gate_proj.effective_weight() for e in self.experts])  # [E*I, H]
+        up_w = torch.cat([e.up_proj.effective_weight() for e in self.experts])  # [E*I, H]
         down_w = torch.cat([e.down_proj.effective_weight() for e in self.experts], 1)  # [H, E*I]
         # [N, E] routing weights, 0 for the experts a token is not routed to.
-        weights = torch.zeros(n, self.n_experts, device=x.device, dtype=top_w.dtype).scatter(1, top_i, top_w)
+        weights = torch.zeros(n, self.n_experts, device=x.device, dtype=top_w.dtype).scatter(
+            1, top_i, top_w
+        )
         h = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)
         h = (h.view(n, self.n_experts, inter) * weights[:, :, None].to(h.dtype)).view(n, -1)
         return F.linear(h, down_w)
@@ -174,7 +202,9 @@ class Backbone(nn.Module):
     def __init__(self, c: dict, dense_moe: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(c, dense_moe) for _ in range(c["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, dense_moe) for _ in range(c["num_hidden_layers"])
+        )
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
 
@@ -192,7 +222,11 @@ class Qwen3MoeLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 continue  # RMSNorm gains stay at 1
-            s = std / (2 * n_layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            s = (
+                std / (2 * n_layers) ** 0.5
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else std
+            )
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * s)
 
@@ -212,8 +246,9 @@ class Qwen3MoeLM(nn.Module):
     def forward(self, ids: torch.Tensor):
         """ids [B, T] -> (logits [B, T, V], mean router balance loss)."""
         t = ids.shape[1]
-        cos, sin = rope_cos_sin(torch.arange(t, device=ids.device), self.config["head_dim"],
-                                self.config["rope_theta"])
+        cos, sin = rope_cos_sin(
+            torch.arange(t, device=ids.device), self.config["head_dim"], self.config["rope_theta"]
+        )
         x = self.model.embed_tokens(ids)
         aux = 0.0
         for layer in self.model.layers:

@@ -20,6 +20,7 @@ TRAIN-K.jsonl (a name the trainer reads), for `gpu_session.sh stage` to unpack c
     python -m engine.train.pack --train-name train-extra.jsonl --parts 3 --no-heldout \\
         --out .runs/extra/extra.tar.xz          # extra.part1.tar.xz ... extra.part3.tar.xz
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ def read_package_list(path: Path = GPU_MACHINE_PACKAGES) -> set[str]:
 def built_there(doc_id: str, packages: set[str]) -> bool:
     """Does a machine with these packages build this doc itself (its stdlib, or a listed package)?"""
     kind, _, rest = doc_id.partition(":")
-    return kind == "python-stdlib" or (kind == "pypi" and normalize(rest.partition(":")[0]) in packages)
+    return kind == "python-stdlib" or (
+        kind == "pypi" and normalize(rest.partition(":")[0]) in packages
+    )
 
 
 def split_bytes(lines: list[str], parts: int) -> list[list[str]]:
@@ -76,9 +79,16 @@ def write_archive(out: Path, members: list[tuple[str, bytes]]) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
-def pack(corpus: Path, out: Path, fraction: float = 1.0, seed: int = 2,
-         exclude: set[str] | None = None, train_name: str = "train.jsonl", parts: int = 1,
-         heldout: bool = True) -> list[Path]:
+def pack(
+    corpus: Path,
+    out: Path,
+    fraction: float = 1.0,
+    seed: int = 2,
+    exclude: set[str] | None = None,
+    train_name: str = "train.jsonl",
+    parts: int = 1,
+    heldout: bool = True,
+) -> list[Path]:
     """Write the archive(s); with parts > 1, OUT.partK.tar.xz holding TRAIN-K.jsonl each
     (every transfer has its own size limit, so a big corpus part goes over several)."""
     train = (corpus / train_name).read_text().splitlines(keepends=True)
@@ -87,12 +97,18 @@ def pack(corpus: Path, out: Path, fraction: float = 1.0, seed: int = 2,
         train = [line for line in train if not built_there(json.loads(line)["id"], exclude)]
     if fraction < 1.0:
         train = subset_lines(train, fraction, seed)
-    print(f"{len(train)} of {full_files} train files ({sum(map(len, train)) / 1e6:.1f} of "
-          f"{full_bytes / 1e6:.1f} MB of jsonl)")
+    print(
+        f"{len(train)} of {full_files} train files ({sum(map(len, train)) / 1e6:.1f} of "
+        f"{full_bytes / 1e6:.1f} MB of jsonl)"
+    )
     stem = train_name.removesuffix(".jsonl")
     written = []
     for k, lines in enumerate(split_bytes(train, parts), 1):
-        path = out if parts == 1 else out.with_name(out.name.replace(".tar.xz", "") + f".part{k}.tar.xz")
+        path = (
+            out
+            if parts == 1
+            else out.with_name(out.name.replace(".tar.xz", "") + f".part{k}.tar.xz")
+        )
         members = [(train_name if parts == 1 else f"{stem}-{k}.jsonl", "".join(lines).encode())]
         if heldout and k == 1:
             members.append(("heldout.jsonl", (corpus / "heldout.jsonl").read_bytes()))
@@ -110,26 +126,52 @@ def positive_int(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--exclude-gpu-machine", action="store_true",
-                    help="leave out the train files the GPU machine builds itself (stdlib, its packages)")
-    ap.add_argument("--package-list", type=Path, default=GPU_MACHINE_PACKAGES,
-                    help="that machine's packages, one name a line (with --exclude-gpu-machine)")
-    ap.add_argument("--train-name", default="train.jsonl", help="the train file in --corpus to pack")
-    ap.add_argument("--parts", type=positive_int, default=1,
-                    help="split the train file over this many archives (fewer if it has fewer files)")
-    ap.add_argument("--no-heldout", action="store_true", help="leave the official held-out file out "
-                    "(another archive carries it)")
+    ap.add_argument(
+        "--exclude-gpu-machine",
+        action="store_true",
+        help="leave out the train files the GPU machine builds itself (stdlib, its packages)",
+    )
+    ap.add_argument(
+        "--package-list",
+        type=Path,
+        default=GPU_MACHINE_PACKAGES,
+        help="that machine's packages, one name a line (with --exclude-gpu-machine)",
+    )
+    ap.add_argument(
+        "--train-name", default="train.jsonl", help="the train file in --corpus to pack"
+    )
+    ap.add_argument(
+        "--parts",
+        type=positive_int,
+        default=1,
+        help="split the train file over this many archives (fewer if it has fewer files)",
+    )
+    ap.add_argument(
+        "--no-heldout",
+        action="store_true",
+        help="leave the official held-out file out (another archive carries it)",
+    )
     args = ap.parse_args(argv)
     if not args.train_name.startswith("train"):
         ap.error("--train-name must start with 'train' (the trainer reads train*.jsonl)")
     exclude = read_package_list(args.package_list) if args.exclude_gpu_machine else None
-    pack(args.corpus, args.out, args.fraction, args.seed, exclude, args.train_name, args.parts,
-         not args.no_heldout)
+    pack(
+        args.corpus,
+        args.out,
+        args.fraction,
+        args.seed,
+        exclude,
+        args.train_name,
+        args.parts,
+        not args.no_heldout,
+    )
 
 
 if __name__ == "__main__":

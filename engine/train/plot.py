@@ -1,4 +1,5 @@
 """Draw the loss curve (train loss and held-out loss against tokens seen) from log.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from pathlib import Path
 
 def plot_loss(log_path: Path, png_path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

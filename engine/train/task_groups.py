@@ -9,6 +9,7 @@ keywords and builtins counting as known; one word that does not; two or more. Pr
 share of the tasks and every details file's exact match within it. A model that only copies
 well can do no better than its rate on the first groups; the others need knowledge of the code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,12 @@ def exact_by_group(groups: dict[str, str], details: dict[str, bool]) -> dict[str
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("details", type=Path, nargs="+", help="`eval --details` files of single-line tasks")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "details", type=Path, nargs="+", help="`eval --details` files of single-line tasks"
+    )
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--tasks-per-file", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -56,20 +61,30 @@ def main(argv=None) -> None:
     ap.add_argument("--suffix-chars", type=int, default=SUFFIX_CHARS)
     args = ap.parse_args(argv)
     docs = heldout.load("python", limit=args.files)
-    tasks = make_tasks(docs, "single", args.seed, args.tasks_per_file, args.prefix_chars, args.suffix_chars)
+    tasks = make_tasks(
+        docs, "single", args.seed, args.tasks_per_file, args.prefix_chars, args.suffix_chars
+    )
     groups = {t.doc_id: context_group(t.prefix, t.middle, t.suffix) for t in tasks}
     runs = []
     for path in args.details:
-        rows = {task: row for (kind, _, task), row in load_details(path).items() if kind == "single"}
-        mismatched = sum(1 for t in tasks if t.doc_id in rows and rows[t.doc_id]["middle"] != t.middle)
+        rows = {
+            task: row for (kind, _, task), row in load_details(path).items() if kind == "single"
+        }
+        mismatched = sum(
+            1 for t in tasks if t.doc_id in rows and rows[t.doc_id]["middle"] != t.middle
+        )
         if mismatched:
-            raise SystemExit(f"{path}: {mismatched} tasks differ from the ones rebuilt here (other --files, "
-                             "--tasks-per-file or --seed?)")
+            raise SystemExit(
+                f"{path}: {mismatched} tasks differ from the ones rebuilt here (other --files, "
+                "--tasks-per-file or --seed?)"
+            )
         runs.append((path.name, exact_by_group(groups, {k: r["exact"] for k, r in rows.items()})))
     print(f"{len(tasks)} single-line tasks")
     for group in GROUPS:
         n = sum(1 for g in groups.values() if g == group)
-        cells = "  ".join(f"{name}: {100 * h / max(c, 1):.1f}%" for name, by in runs for h, c in [by[group]])
+        cells = "  ".join(
+            f"{name}: {100 * h / max(c, 1):.1f}%" for name, by in runs for h, c in [by[group]]
+        )
         print(f"{group:24s} {n:5d} ({100 * n / max(len(tasks), 1):4.1f}%)  {cells}")
 
 

@@ -5,6 +5,7 @@
 No normalizer and a ByteLevel pre-tokenizer/decoder without prefix space, so decode(encode(s)) == s
 for every string. Special tokens take ids 0..5 (see fim_format.SPECIAL_TOKENS).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,13 @@ def build_tokenizer(texts, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 

@@ -8,6 +8,7 @@ default) over the last --decay-frac of this run's wall-clock budget, so the run 
 whatever throughput the machine gives. Progress (loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
 with the held-out loss and bits per byte; the checkpoint is rewritten every --save-every-s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,42 +22,90 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .config import load_config
-from .data import CHUNK_CHARS, PackedStream, chunk_doc, heldout_fim_rows, heldout_rows, load_tokenizer, read_docs
+from .data import (
+    CHUNK_CHARS,
+    PackedStream,
+    chunk_doc,
+    heldout_fim_rows,
+    heldout_rows,
+    load_tokenizer,
+    read_docs,
+)
 from .export import quant_flags_error
-from .model import Qwen3MoeLM
 from .grow import add_experts, copy_sources, expert_count, expert_width, router_loads, widen_experts
+from .model import Qwen3MoeLM
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
-    ap.add_argument("--model-dir", type=Path, required=True, help="holds config.json and tokenizer.json")
+    ap.add_argument(
+        "--model-dir", type=Path, required=True, help="holds config.json and tokenizer.json"
+    )
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--resume", type=Path, help="a checkpoint folder written by an earlier run, or an exported "
-                    "model folder (model.safetensors + training_state.json)")
-    ap.add_argument("--widen-experts", type=int, help="grow the resumed model's experts to this intermediate "
-                    "size, keeping its function (engine/train/grow.py)")
-    ap.add_argument("--add-experts", type=int, help="grow the resumed model to this many experts per layer, "
-                    "copies of the busiest with near-zero router rows (engine/train/grow.py)")
-    ap.add_argument("--fp8-block", type=int, help="train through FP8 rounding of the projections with this block "
-                    "size, as `export --fp8-block` will ship them (quantization-aware training)")
-    ap.add_argument("--int4-group", type=int, help="train through int4 rounding of the projections with this "
-                    "group size, as `export --int4-group` will ship them (quantization-aware training)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="training wall-clock for this run")
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        help="a checkpoint folder written by an earlier run, or an exported "
+        "model folder (model.safetensors + training_state.json)",
+    )
+    ap.add_argument(
+        "--widen-experts",
+        type=int,
+        help="grow the resumed model's experts to this intermediate "
+        "size, keeping its function (engine/train/grow.py)",
+    )
+    ap.add_argument(
+        "--add-experts",
+        type=int,
+        help="grow the resumed model to this many experts per layer, "
+        "copies of the busiest with near-zero router rows (engine/train/grow.py)",
+    )
+    ap.add_argument(
+        "--fp8-block",
+        type=int,
+        help="train through FP8 rounding of the projections with this block "
+        "size, as `export --fp8-block` will ship them (quantization-aware training)",
+    )
+    ap.add_argument(
+        "--int4-group",
+        type=int,
+        help="train through int4 rounding of the projections with this "
+        "group size, as `export --int4-group` will ship them (quantization-aware training)",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=450.0, help="training wall-clock for this run"
+    )
     ap.add_argument("--max-steps", type=int, default=10**9)
-    ap.add_argument("--seq-len", type=int, default=1024,
-                    help="row length in tokens; the export declares the longest a model trained on as its context")
-    ap.add_argument("--chunk-chars", type=int, default=CHUNK_CHARS,
-                    help="documents are cut into pieces of about this many characters, one example each: "
-                         "a FIM example's prefix and suffix together stay within it (about 2.9 x --seq-len, as the "
-                         "default 3,000 for 1,024: a FIM example longer than a row loses its end)")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=1024,
+        help="row length in tokens; the export declares the longest a model trained on as its context",
+    )
+    ap.add_argument(
+        "--chunk-chars",
+        type=int,
+        default=CHUNK_CHARS,
+        help="documents are cut into pieces of about this many characters, one example each: "
+        "a FIM example's prefix and suffix together stay within it (about 2.9 x --seq-len, as the "
+        "default 3,000 for 1,024: a FIM example longer than a row loses its end)",
+    )
     ap.add_argument("--batch-rows", type=int, default=256)
     ap.add_argument("--micro-rows", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=150)
-    ap.add_argument("--decay-frac", type=float, default=0.25, help="share of the budget spent decaying the lr")
-    ap.add_argument("--final-lr-frac", type=float, default=0.1,
-                    help="where the decay ends, as a share of --lr (a run that anneals for good: near 0)")
+    ap.add_argument(
+        "--decay-frac", type=float, default=0.25, help="share of the budget spent decaying the lr"
+    )
+    ap.add_argument(
+        "--final-lr-frac",
+        type=float,
+        default=0.1,
+        help="where the decay ends, as a share of --lr (a run that anneals for good: near 0)",
+    )
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--workers", type=int, default=10)
@@ -65,12 +114,25 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every-s", type=float, default=90.0)
     ap.add_argument("--save-every-s", type=float, default=120.0)
     ap.add_argument("--heldout-rows", type=int, default=64)
-    ap.add_argument("--heldout-fim-rows", type=int, default=256, help="single-line SPM examples for the held-out FIM loss")
+    ap.add_argument(
+        "--heldout-fim-rows",
+        type=int,
+        default=256,
+        help="single-line SPM examples for the held-out FIM loss",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--moe", choices=["auto", "dense", "sparse"], default="auto",
-                    help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; same function)")
-    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                    help="torch.compile the training step (auto: on a GPU)")
+    ap.add_argument(
+        "--moe",
+        choices=["auto", "dense", "sparse"],
+        default="auto",
+        help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; same function)",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the training step (auto: on a GPU)",
+    )
     args = ap.parse_args(argv)
     if error := quant_flags_error(args.fp8_block, args.int4_group):
         ap.error(error)
@@ -106,10 +168,16 @@ def lm_loss(model, rows):
 
 def make_optimizer(model, args):
     decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed_tokens" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed_tokens" not in n)]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=args.device.startswith("cuda"))
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed_tokens" not in n)
+    ]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=args.device.startswith("cuda")
+    )
 
 
 @torch.no_grad()
@@ -123,21 +191,28 @@ def heldout_eval(model, rows, byte_lens, device, autocast, fim_sets: dict | None
     model.eval()
     nats, tokens = 0.0, 0
     for i in range(0, len(rows), 16):
-        batch = rows[i:i + 16].to(device)
+        batch = rows[i : i + 16].to(device)
         with autocast:
             logits, _ = model(batch[:, :-1])
-        nats += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        nats += F.cross_entropy(
+            logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
+        ).item()
         tokens += batch[:, 1:].numel()
-    result = {"heldout_loss": nats / tokens, "heldout_bpb": nats / math.log(2) / int(byte_lens.sum())}
+    result = {
+        "heldout_loss": nats / tokens,
+        "heldout_bpb": nats / math.log(2) / int(byte_lens.sum()),
+    }
     for name, (fim_rows, fim_mask) in (fim_sets or {}).items():
         if not len(fim_rows):
             continue
         fim_nats, fim_tokens, exact = 0.0, 0, 0
         for i in range(0, len(fim_rows), 16):
-            batch, mask = fim_rows[i:i + 16].to(device), fim_mask[i:i + 16].to(device)
+            batch, mask = fim_rows[i : i + 16].to(device), fim_mask[i : i + 16].to(device)
             with autocast:
                 logits, _ = model(batch[:, :-1])
-            losses = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+            losses = F.cross_entropy(
+                logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none"
+            )
             fim_nats += losses[mask.flatten()].sum().item()
             fim_tokens += int(mask.sum())
             exact += int(((logits.argmax(-1) == batch[:, 1:]) | ~mask).all(dim=1).sum())
@@ -159,10 +234,16 @@ def main(argv=None) -> None:
     run = {}
     weights = checkpoint.load_weights(args.resume) if args.resume else None
     if weights:  # a grown run's sizes differ from config.json
-        config = {**config, "moe_intermediate_size": expert_width(weights), "num_experts": expert_count(weights)}
+        config = {
+            **config,
+            "moe_intermediate_size": expert_width(weights),
+            "num_experts": expert_count(weights),
+        }
     width, count = config["moe_intermediate_size"], config["num_experts"]
     if args.widen_experts and args.widen_experts < width:  # refused before any data is read
-        raise SystemExit(f"--widen-experts {args.widen_experts} is narrower than the experts ({width})")
+        raise SystemExit(
+            f"--widen-experts {args.widen_experts} is narrower than the experts ({width})"
+        )
     if args.add_experts and args.add_experts < count:
         raise SystemExit(f"--add-experts {args.add_experts} is fewer than the experts ({count})")
     # The held-out rows come first: adding experts measures the router's loads on them.
@@ -170,7 +251,9 @@ def main(argv=None) -> None:
     held_rows, held_bytes = heldout_rows(held_docs, tokenizer, args.seq_len, args.heldout_rows)
     if args.widen_experts and args.widen_experts != width:
         if weights:
-            weights = widen_experts(weights, args.widen_experts, std=config["initializer_range"], seed=args.seed)
+            weights = widen_experts(
+                weights, args.widen_experts, std=config["initializer_range"], seed=args.seed
+            )
             run["widened_experts"] = [width, args.widen_experts]
             print(f"experts widened {width} -> {args.widen_experts}", flush=True)
         config = {**config, "moe_intermediate_size": args.widen_experts}
@@ -181,8 +264,11 @@ def main(argv=None) -> None:
             loads = router_loads(before, held_rows[:8])
             weights = add_experts(weights, args.add_experts, loads, seed=args.seed)
             run["added_experts"] = [count, args.add_experts]
-            print(f"experts added {count} -> {args.add_experts}, copies of these by layer: "
-                  f"{copy_sources(loads, args.add_experts - count)}", flush=True)
+            print(
+                f"experts added {count} -> {args.add_experts}, copies of these by layer: "
+                f"{copy_sources(loads, args.add_experts - count)}",
+                flush=True,
+            )
         config = {**config, "num_experts": args.add_experts}
     model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
     if args.fp8_block:
@@ -202,8 +288,11 @@ def main(argv=None) -> None:
         model.init_weights(args.seed)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params:,}; device {device}; moe {'dense' if args.dense_moe else 'sparse'}; "
-          f"compile {args.compile}", flush=True)
+    print(
+        f"params {n_params:,}; device {device}; moe {'dense' if args.dense_moe else 'sparse'}; "
+        f"compile {args.compile}",
+        flush=True,
+    )
     # The compiled step shares the module's parameters; checkpoints and evals use the plain module.
     step_loss = torch.compile(lm_loss) if args.compile else lm_loss
 
@@ -211,22 +300,46 @@ def main(argv=None) -> None:
     files = train_files(args.corpus)
     chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d, args.chunk_chars)]
     # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
-    fim_sets = {name: heldout_fim_rows(held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed)
-                for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))}
-    print(f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)", flush=True)
+    fim_sets = {
+        name: heldout_fim_rows(
+            held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed
+        )
+        for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))
+    }
+    print(
+        f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)",
+        flush=True,
+    )
     # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
-    stream = PackedStream(chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"])
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
-                                         pin_memory=device.startswith("cuda"), prefetch_factor=4 if args.workers else None,
-                                         persistent_workers=bool(args.workers))
+    stream = PackedStream(
+        chunks, tok_path, args.seq_len, args.micro_rows, seed=args.seed + state["step"]
+    )
+    loader = torch.utils.data.DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=args.workers,
+        pin_memory=device.startswith("cuda"),
+        prefetch_factor=4 if args.workers else None,
+        persistent_workers=bool(args.workers),
+    )
     batches = iter(loader)
 
     opt = make_optimizer(model, args)
-    autocast = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+    autocast = torch.autocast(
+        device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16
+    )
     accum = args.batch_rows // args.micro_rows
     log_f = open(args.out / "log.jsonl", "a")
-    run = {**run, "start_step": state["step"], "budget_s": args.budget_s, "batch_tokens": args.batch_rows * args.seq_len,
-           "seq_len": args.seq_len, "chunk_chars": args.chunk_chars, "train_files": [f.name for f in files], "peak_lr": args.lr}
+    run = {
+        **run,
+        "start_step": state["step"],
+        "budget_s": args.budget_s,
+        "batch_tokens": args.batch_rows * args.seq_len,
+        "seq_len": args.seq_len,
+        "chunk_chars": args.chunk_chars,
+        "train_files": [f.name for f in files],
+        "peak_lr": args.lr,
+    }
 
     def log(record: dict) -> None:
         log_f.write(json.dumps(record) + "\n")
@@ -235,8 +348,15 @@ def main(argv=None) -> None:
     def save(until: float | None = None) -> None:
         """This run is recorded as it stands, so a run cut off mid-way still has its time and steps."""
         seconds = (until or time.time()) - t0
-        checkpoint.save(model, {**state, "train_seconds": state["train_seconds"] + seconds,
-                                "runs": state["runs"] + [{**run, "end_step": state["step"]}]}, args.out / "ckpt")
+        checkpoint.save(
+            model,
+            {
+                **state,
+                "train_seconds": state["train_seconds"] + seconds,
+                "runs": state["runs"] + [{**run, "end_step": state["step"]}],
+            },
+            args.out / "ckpt",
+        )
 
     t0 = last_eval = last_save = time.time()
     window_tokens, window_t = 0, time.time()
@@ -266,15 +386,30 @@ def main(argv=None) -> None:
 
         if state["step"] % args.log_every == 0 or state["step"] - step0 <= 3:
             now = time.time()
-            rec = {"step": state["step"], "tokens_seen": state["tokens_seen"], "loss": float(loss_sum) / accum,
-                   "aux": float(aux_sum) / accum, "lr": lr, "grad_norm": float(grad_norm),
-                   "tok_per_s": window_tokens / (now - window_t), "elapsed_s": now - t0}
+            rec = {
+                "step": state["step"],
+                "tokens_seen": state["tokens_seen"],
+                "loss": float(loss_sum) / accum,
+                "aux": float(aux_sum) / accum,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tok_per_s": window_tokens / (now - window_t),
+                "elapsed_s": now - t0,
+            }
             window_tokens, window_t = 0, now
             log(rec)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+            print(
+                " ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
+                ),
+                flush=True,
+            )
         if time.time() - last_eval > args.eval_every_s:
-            rec = {"step": state["step"], "tokens_seen": state["tokens_seen"],
-                   **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets)}
+            rec = {
+                "step": state["step"],
+                "tokens_seen": state["tokens_seen"],
+                **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets),
+            }
             log(rec)
             print("eval", rec, flush=True)
             last_eval = time.time()
@@ -283,8 +418,12 @@ def main(argv=None) -> None:
             last_save = time.time()
 
     train_end = time.time()
-    final = {"step": state["step"], "tokens_seen": state["tokens_seen"], "final": True,
-             **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets)}
+    final = {
+        "step": state["step"],
+        "tokens_seen": state["tokens_seen"],
+        "final": True,
+        **heldout_eval(model, held_rows, held_bytes, device, autocast, fim_sets),
+    }
     log(final)
     print("final", final, flush=True)
     state["final_heldout"] = final
@@ -292,6 +431,7 @@ def main(argv=None) -> None:
     log_f.close()
     try:
         from .plot import plot_loss
+
         plot_loss(args.out / "log.jsonl", args.out / "loss.png")
     except Exception as e:  # matplotlib is optional; the curve can be drawn later from log.jsonl
         print("no plot:", e, flush=True)

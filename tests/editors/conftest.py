@@ -39,7 +39,7 @@ def server_cmd() -> list[str]:
 
 
 async def _engine_pid_and_shutdown(sock: Path) -> int | None:
-    from engine.client import EngineClient
+    from engine.ipc.client import EngineClient
 
     client = EngineClient(socket_path=sock)
     try:

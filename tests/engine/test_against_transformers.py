@@ -7,9 +7,9 @@ import pytest
 import torch
 from checkpoints import load_reference
 
-from engine.generate import complete
-from engine.loader import load_model
-from engine.tokenizer import Tokenizer
+from engine.core.generate import complete
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -62,7 +62,11 @@ def test_greedy_32_tokens_identical(checkpoint_factory, variant):
         text, stats = complete(model, tokenizer, ids, max_tokens=32, stop_at_eos=False)
         with torch.no_grad():
             out = reference.generate(
-                torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
             )
         expected = out[0, len(ids) :].tolist()
         assert stats.token_ids == expected
@@ -78,9 +82,25 @@ def test_cli_prints_only_the_completion(checkpoint_factory, form):
     ids = tokenizer.encode(PROMPTS[0])
     expected, _ = complete(model, tokenizer, ids, max_tokens=32)
     result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--prompt", PROMPTS[0],
-         "--max-tokens", "32", "--temperature", "0", "--cpu-decode-weights", form],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            PROMPTS[0],
+            "--max-tokens",
+            "32",
+            "--temperature",
+            "0",
+            "--cpu-decode-weights",
+            form,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected
@@ -90,9 +110,24 @@ def test_cli_prints_only_the_completion(checkpoint_factory, form):
 def test_cli_fim_uses_the_models_fim_tokens(checkpoint_factory):
     path = checkpoint_factory()
     result = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--fim-prefix", "def f(",
-         "--fim-suffix", "):\n    pass\n", "--max-tokens", "8", "--stats"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "generate",
+            "--model",
+            str(path),
+            "--fim-prefix",
+            "def f(",
+            "--fim-suffix",
+            "):\n    pass\n",
+            "--max-tokens",
+            "8",
+            "--stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "prompt" in result.stderr and "tok/s" in result.stderr
@@ -105,7 +140,10 @@ def test_sharded_and_bf16_checkpoints_load(checkpoint_factory):
     sharded = load_model(sharded_path)
     tokens = torch.tensor([[5, 9, 42, 7, 100]])
     pos = torch.arange(5)[None]
-    assert torch.equal(base.forward(tokens, pos, base.new_cache(1)), sharded.forward(tokens, pos, sharded.new_cache(1)))
+    assert torch.equal(
+        base.forward(tokens, pos, base.new_cache(1)),
+        sharded.forward(tokens, pos, sharded.new_cache(1)),
+    )
 
     bf16_path = checkpoint_factory(dtype=torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16):

@@ -5,17 +5,18 @@ import math
 
 import pytest
 import torch
+from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
+from checkpoints import lone_path_model
 
-from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE, lone_path_model
-from engine.beam_search import BeamSearch, BeamTails
-from engine.fim import build_fim_prompt, healed_text
-from engine.generate import complete
-from engine.kv_pool import KVPool, PagedBatch
-from engine.loader import load_model
+from engine.core.generate import complete
+from engine.core.scheduler import Engine, Request
+from engine.decoding.beam_search import BeamSearch, BeamTails
+from engine.ipc.protocol import CompletionParams
+from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 from engine.models import default_model_dir
-from engine.protocol import CompletionParams
-from engine.scheduler import Engine, Request
-from engine.tokenizer import Tokenizer
+from engine.prompts.fim import build_fim_prompt, healed_text
 
 
 def _rel(a, b):
@@ -23,6 +24,7 @@ def _rel(a, b):
 
 
 # -- the beams' lean forward -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
@@ -35,7 +37,9 @@ def test_forward_beams_matches_each_beam_computed_alone(variant, form):
     prompt = torch.randint(0, c.vocab_size, (11,), generator=g).tolist()
     table = [3, 0, 2, 1]  # out of order: the prompt's keys lie in several runs of slots
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], PagedBatch(pool, [table], "cpu"))
+    model.forward(
+        torch.tensor([prompt]), torch.arange(len(prompt))[None], PagedBatch(pool, [table], "cpu")
+    )
     before = [k.clone() for k in pool.keys]
     beams = [[t] for t in torch.randint(0, c.vocab_size, (3,), generator=g).tolist()]
     tails = BeamTails(c.num_layers)
@@ -46,12 +50,15 @@ def test_forward_beams_matches_each_beam_computed_alone(variant, form):
             fresh = torch.randint(0, c.vocab_size, (len(parents),), generator=g).tolist()
             beams = [beams[p] + [t] for p, t in zip(parents, fresh)]
         position = len(prompt) + len(beams[0]) - 1
-        lean = model.forward_beams([b[-1] for b in beams], position, PagedBatch(pool, [table], "cpu"), tails)
+        lean = model.forward_beams(
+            [b[-1] for b in beams], position, PagedBatch(pool, [table], "cpu"), tails
+        )
         assert lean.shape == (len(beams), c.vocab_size)
         for row, beam in enumerate(beams):
             ids = prompt + beam
-            alone = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
-                                  model.new_cache(1, len(ids)))[0, -1]
+            alone = model.forward(
+                torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids))
+            )[0, -1]
             diffs.append(_rel(lean[row], alone))
             if form == "fp32":
                 assert torch.equal(lean[row].argmax(), alone.argmax())
@@ -60,7 +67,9 @@ def test_forward_beams_matches_each_beam_computed_alone(variant, form):
         assert 0 < diffs[len(diffs) // 2] < TOLERANCE[form]
     else:
         assert diffs[-1] < TOLERANCE[form]
-    assert all(torch.equal(a, b) for a, b in zip(before, pool.keys))  # the beams never write the pool
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, pool.keys)
+    )  # the beams never write the pool
 
 
 def test_forward_beams_declines_where_it_does_not_apply():
@@ -70,10 +79,13 @@ def test_forward_beams_declines_where_it_does_not_apply():
     tails = BeamTails(c.num_layers)
     assert model.forward_beams([1, 2], 4, model.new_cache(1, 8), tails) is None
     model.lone_decode = True
-    assert model.forward_beams([1] * 10, 4, model.new_cache(1, 8), tails) is None  # more rows than one forward takes
+    assert (
+        model.forward_beams([1] * 10, 4, model.new_cache(1, 8), tails) is None
+    )  # more rows than one forward takes
 
 
 # -- the search's rules, on hand-made logits --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def shipped():
@@ -102,7 +114,11 @@ def test_search_prefers_the_likelier_line_and_never_answers_a_blank_one(shipped)
     assert [tok.decode([t]) for t in tokens] == ["x", "y"] and parents == [0, 0]
     # Step 2: greedy would write "x1" (0.3 * 0.6 = 0.18); "y" then the line's end is likelier (0.2 *
     # 0.95 = 0.19), and nothing after "x1" can beat it.
-    feed = search.step(torch.stack([_logits(tok, v, {"\n": 0.4, "1": 0.6}), _logits(tok, v, {"\n": 0.95, "2": 0.05})]))
+    feed = search.step(
+        torch.stack(
+            [_logits(tok, v, {"\n": 0.4, "1": 0.6}), _logits(tok, v, {"\n": 0.95, "2": 0.05})]
+        )
+    )
     assert feed is None and search.done
     assert tok.decode(search.answer()) == "y\n"
 
@@ -113,9 +129,15 @@ def test_search_ends_when_no_live_beam_can_beat_the_best_finished_one(shipped):
     search = BeamSearch(tok, 3, max_tokens=8, stop=("\n",))
     search.step(_logits(tok, v, {"a": 0.6, "b": 0.3, "c": 0.1})[None])
     # "a" ends (0.6 * 0.9 = 0.54): "b" (0.3) and "c" (0.1) can only fall below it.
-    feed = search.step(torch.stack([_logits(tok, v, {"\n": 0.9, "d": 0.1}),
-                                    _logits(tok, v, {"\n": 0.5, "e": 0.5}),
-                                    _logits(tok, v, {"\n": 0.5, "f": 0.5})]))
+    feed = search.step(
+        torch.stack(
+            [
+                _logits(tok, v, {"\n": 0.9, "d": 0.1}),
+                _logits(tok, v, {"\n": 0.5, "e": 0.5}),
+                _logits(tok, v, {"\n": 0.5, "f": 0.5}),
+            ]
+        )
+    )
     assert feed is None and search.done
     assert tok.decode(search.answer()) == "a\n"
 
@@ -127,10 +149,14 @@ def test_search_keeps_the_healed_text_and_the_token_budget(shipped):
     logits = torch.zeros(v)
     logits[tok.encode("x")[0]] = 5.0  # would be the pick without the healed indentation
     feed = search.step(logits[None])
-    assert all(tok.decode([t]).startswith("    ") or "    ".startswith(tok.decode([t])) for t in feed[1])
+    assert all(
+        tok.decode([t]).startswith("    ") or "    ".startswith(tok.decode([t])) for t in feed[1]
+    )
     steps = 1
     while feed is not None:
-        feed = search.step(torch.randn(len(feed[1]), v, generator=torch.Generator().manual_seed(steps)))
+        feed = search.step(
+            torch.randn(len(feed[1]), v, generator=torch.Generator().manual_seed(steps))
+        )
         steps += 1
     text = tok.decode(search.answer())
     assert text.startswith("    ")
@@ -150,8 +176,8 @@ def test_width_must_fit_one_forward(shipped):
 
 # -- through generate and the engine ----------------------------------------------------------------
 
-PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef write_lines(path, lines):\n    with open(path, \"w\") as f:\n        "
-SUFFIX = "\n\n\ndef main():\n    lines = read_lines(\"in.txt\")\n    write_lines(\"out.txt\", lines)\n"
+PREFIX = 'import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef write_lines(path, lines):\n    with open(path, "w") as f:\n        '
+SUFFIX = '\n\n\ndef main():\n    lines = read_lines("in.txt")\n    write_lines("out.txt", lines)\n'
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
@@ -160,19 +186,25 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkey
     default, model.lone_weights = model.lone_weights, form
     rows = []  # the beams of every search step: proof that the search ran, not greedy
     lean = model.forward_beams
-    monkeypatch.setattr(model, "forward_beams", lambda tokens, *a: (rows.append(len(tokens)), lean(tokens, *a))[1])
+    monkeypatch.setattr(
+        model, "forward_beams", lambda tokens, *a: (rows.append(len(tokens)), lean(tokens, *a))[1]
+    )
     try:
         prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
         forced = healed_text(tok, PREFIX)
         greedy, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced)
-        text, stats = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4)
+        text, stats = complete(
+            model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4
+        )
         assert text.strip() and "\n" not in text
         assert stats.finish_reason in ("stop", "eos")
         assert max(rows) == 4
         steps = len(rows)
         engine = Engine(model, tok)
         events = []
-        engine.submit(Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append)
+        engine.submit(
+            Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append
+        )
         engine.run_until_idle()
         assert "".join(e.text for e in events if e.kind == "delta") == text
         done = events[-1]
@@ -180,11 +212,15 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkey
         assert done.usage["completion_tokens"] == stats.completion_tokens
         assert len(rows) == 2 * steps  # the engine searched as generate did
         # Only the prompt went into the prefix cache: the beams' own K/V were never in the pool.
-        shared, cached = engine.allocator.match_prefix_partial(prompt + stats.token_ids, len(prompt) + 8)
+        shared, cached = engine.allocator.match_prefix_partial(
+            prompt + stats.token_ids, len(prompt) + 8
+        )
         engine.allocator.release(shared)
         assert cached == len(prompt)
         # Beams of 1 are greedy.
-        one, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1)
+        one, _ = complete(
+            model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1
+        )
         assert one == greedy
     finally:
         model.lone_weights = default
@@ -195,7 +231,9 @@ def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
     prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
     engine = Engine(model, tok)
     events = []
-    rid = engine.submit(Request(prompt, max_tokens=24, beams=4), events.append)  # no stop: a long search
+    rid = engine.submit(
+        Request(prompt, max_tokens=24, beams=4), events.append
+    )  # no stop: a long search
     engine.step()  # the prompt
     engine.step()  # one beam step
     engine.cancel(rid)
@@ -220,13 +258,15 @@ def test_a_deadline_during_the_search_ends_with_the_likeliest_line_so_far(shippe
     request.deadline_s = 0.0
     engine.run_until_idle()
     assert events[-1].kind == "done" and events[-1].finish_reason == "deadline"
-    assert "".join(e.text for e in events if e.kind == "delta")  # what the search had, as greedy would
+    assert "".join(
+        e.text for e in events if e.kind == "delta"
+    )  # what the search had, as greedy would
     assert engine.allocator.stats().blocks_used == 0
 
 
 def test_beams_fit_one_lean_forward():
-    from engine.model import LONE_MAX_ROWS
-    from engine.protocol import MAX_BEAMS
+    from engine.ipc.protocol import MAX_BEAMS
+    from engine.model.qwen3_moe import LONE_MAX_ROWS
 
     assert MAX_BEAMS <= LONE_MAX_ROWS
 
@@ -255,10 +295,31 @@ def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
 
     model, tok = shipped
     prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
-    expected, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, PREFIX),
-                           beams=4)
-    args = [sys.executable, "-m", "engine.cli", "generate", "--fim-prefix", PREFIX, "--fim-suffix", SUFFIX,
-            "--fim-order", "spm", "--stop", "\n", "--max-tokens", "24"]
+    expected, _ = complete(
+        model,
+        tok,
+        prompt,
+        max_tokens=24,
+        stop=["\n"],
+        forced_text=healed_text(tok, PREFIX),
+        beams=4,
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "generate",
+        "--fim-prefix",
+        PREFIX,
+        "--fim-suffix",
+        SUFFIX,
+        "--fim-order",
+        "spm",
+        "--stop",
+        "\n",
+        "--max-tokens",
+        "24",
+    ]
     if model.lone_weights == "fp32":
         args += ["--cpu-decode-weights", "fp32"]
     result = subprocess.run(args + ["--beams", "4"], capture_output=True, text=True, timeout=120)
@@ -277,7 +338,10 @@ def test_an_fp8_kv_pool_decodes_greedily_instead(shipped):
     for beams in (1, 4):
         engine = Engine(model, tok, kv_fp8=True)
         events = []
-        engine.submit(Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams), events.append)
+        engine.submit(
+            Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams),
+            events.append,
+        )
         engine.run_until_idle()
         assert events[-1].kind == "done"
         texts.append("".join(e.text for e in events if e.kind == "delta"))

@@ -6,8 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_allocator import BlockAllocator, PoolExhausted
-from engine.sequence import BlockTable
+from engine.kv.block_allocator import BlockAllocator, PoolExhausted
+from engine.kv.sequence import BlockTable
 
 BLOCK = 4
 POOL = 24

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from engine import client as C
-from engine import paths
-from engine import protocol as P
-from engine.client import (
-    EngineClient, EngineTimeout, EngineUnavailable, SpawnConfig, SpawnFailed, UnsafeSocket,
+from engine.ipc import client as C
+from engine.ipc import paths
+from engine.ipc import protocol as P
+from engine.ipc.client import (
+    EngineClient,
+    EngineTimeout,
+    EngineUnavailable,
+    SpawnConfig,
+    SpawnFailed,
+    UnsafeSocket,
 )
 
 
@@ -105,7 +110,9 @@ class RecordingEngine:
 
     async def __aenter__(self):
         # A small buffer limit: a listener that stops reading stops taking bytes soon.
-        self.server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=1 << 16)
+        self.server = await asyncio.start_unix_server(
+            self._serve, path=str(self.path), limit=1 << 16
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -141,7 +148,9 @@ async def test_a_peer_of_another_user_gets_nothing(run_dir, monkeypatch):
         assert engine.frames == [] and not client.connected  # not even the hello
 
 
-async def test_a_symlink_to_a_live_socket_is_not_followed_and_starts_nothing(run_dir, tmp_path, monkeypatch):
+async def test_a_symlink_to_a_live_socket_is_not_followed_and_starts_nothing(
+    run_dir, tmp_path, monkeypatch
+):
     elsewhere = tmp_path / "elsewhere.sock"
     spawned = []
     monkeypatch.setattr(C, "spawn_daemon", lambda *args: spawned.append(args))
@@ -192,7 +201,9 @@ async def test_a_silent_engine_fails_the_hello_in_bounded_time_and_once(run_dir)
         client = EngineClient(socket_path=path, connect_timeout_s=0.3)
         with pytest.raises(EngineTimeout, match="did not answer"):
             await client.connect()
-        assert engine.connections == 1 and not client.connected  # not retried: it would not answer either
+        assert (
+            engine.connections == 1 and not client.connected
+        )  # not retried: it would not answer either
 
 
 async def test_writes_to_an_engine_that_stopped_reading_are_bounded(run_dir):
@@ -244,8 +255,11 @@ async def test_without_reconnect_nothing_is_connected_or_spawned(run_dir, monkey
     monkeypatch.setattr(C, "spawn_daemon", lambda *args: spawned.append(args))
     async with RecordingEngine(path, answer_hello=True) as engine:
         client = EngineClient(socket_path=path, spawn=SpawnConfig())
-        for call in (client.request("stats", reconnect=False), client.warm({}, reconnect=False),
-                     client.complete({"prefix": "", "suffix": ""}, reconnect=False)):
+        for call in (
+            client.request("stats", reconnect=False),
+            client.warm({}, reconnect=False),
+            client.complete({"prefix": "", "suffix": ""}, reconnect=False),
+        ):
             with pytest.raises(EngineUnavailable, match="not connected"):
                 await call
         await asyncio.sleep(0.05)
@@ -255,7 +269,9 @@ async def test_without_reconnect_nothing_is_connected_or_spawned(run_dir, monkey
 # -- the spawn lock ---------------------------------------------------------------------------
 def hold_lock(path: Path) -> int:
     fd = os.open(C.spawn_lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # another open file description: conflicts within one process too
+    fcntl.flock(
+        fd, fcntl.LOCK_EX
+    )  # another open file description: conflicts within one process too
     return fd
 
 
@@ -325,7 +341,9 @@ def test_the_log_is_never_written_through_what_is_planted_there(kind, tmp_path):
         assert (tmp_path / "target").read_text() == "precious\n" and path.is_symlink()
 
 
-def test_a_private_dirs_mode_is_fixed_on_what_was_checked_not_on_a_swapped_in_link(tmp_path, monkeypatch):
+def test_a_private_dirs_mode_is_fixed_on_what_was_checked_not_on_a_swapped_in_link(
+    tmp_path, monkeypatch
+):
     """Between the check and the chmod, the directory is moved away and a link to another
     directory put in its place: the mode change must not follow that link."""
     path, victim = tmp_path / "wd-lsp", tmp_path / "victim"

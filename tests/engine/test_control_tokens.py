@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import complete
-from engine.kv_pool import PagedBatch
-from engine.loader import load_model
-from engine.scheduler import Engine, Request
-from engine.tokenizer import Tokenizer
+from engine.core.generate import complete
+from engine.core.scheduler import Engine, Request
+from engine.kv.pool import PagedBatch
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "engine" / "models" / "wd-coder-tiny"
 ENDING = ["<|endoftext|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
@@ -51,12 +51,16 @@ class GreedyOnDevice:
     def run(self, tokens, positions, tables):
         model = self.engine.model
         view = PagedBatch(self.engine.pool, tables, model.device)
-        logits = model.forward(torch.tensor([[t] for t in tokens]), torch.tensor([[p] for p in positions]), view)
+        logits = model.forward(
+            torch.tensor([[t] for t in tokens]), torch.tensor([[p] for p in positions]), view
+        )
         return logits[:, -1], torch.full((len(tokens),), self.token_id)
 
 
 def _engine_text(model, tok, ids, max_tokens, device_greedy: int | None = None):
-    engine = Engine(model, tok, num_blocks=32, block_size=8, cuda_graphs=False)  # graphs would bypass Biased
+    engine = Engine(
+        model, tok, num_blocks=32, block_size=8, cuda_graphs=False
+    )  # graphs would bypass Biased
     if device_greedy is not None:
         engine.graphs = GreedyOnDevice(engine, device_greedy)
     events = []
@@ -83,7 +87,9 @@ def test_a_section_opening_token_is_never_sampled(tiny, name):
     text, stats = complete(biased, tok, ids, max_tokens=10, stop_at_eos=False)
     assert text == plain and tok.token_id(name) not in stats.token_ids
     assert _engine_text(biased, tok, ids, 10)[0] == complete(model, tok, ids, max_tokens=10)[0]
-    sampled, _ = complete(biased, tok, ids, max_tokens=10, temperature=1.0, seed=3, stop_at_eos=False)
+    sampled, _ = complete(
+        biased, tok, ids, max_tokens=10, temperature=1.0, seed=3, stop_at_eos=False
+    )
     assert name not in sampled
 
 

@@ -7,7 +7,6 @@ import socket
 import stat
 import struct
 import subprocess
-import sys
 import time
 
 import msgpack
@@ -15,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import protocol as P
-from engine.client import EngineClient, EngineError, EngineUnavailable, SpawnConfig
+from engine.ipc import protocol as P
+from engine.ipc.client import EngineClient, EngineError, EngineUnavailable, SpawnConfig
 
 FIM = {"prefix": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n"}
 
@@ -37,7 +36,9 @@ def daemon_env(checkpoint_factory, tmp_path, monkeypatch):
 
 
 def make_client(env, *extra, **kw):
-    return EngineClient(spawn=SpawnConfig(model=env["model"], extra_args=["--idle-timeout", "120", *extra]), **kw)
+    return EngineClient(
+        spawn=SpawnConfig(model=env["model"], extra_args=["--idle-timeout", "120", *extra]), **kw
+    )
 
 
 async def connect(env, client):
@@ -81,7 +82,9 @@ async def test_32_concurrent_clients_stream_completions(daemon_env):
     clients = [make_client(daemon_env) for _ in range(32)]
 
     async def one(i, c):
-        params = dict(FIM, prefix=f"def f{i}(x):\n    return ", max_tokens=8, temperature=0.5, seed=i)
+        params = dict(
+            FIM, prefix=f"def f{i}(x):\n    return ", max_tokens=8, temperature=0.5, seed=i
+        )
         return await collect(c, params)
 
     results = await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
@@ -96,7 +99,9 @@ async def test_32_concurrent_clients_stream_completions(daemon_env):
 async def test_kill_9_mid_stream_gives_a_clean_error_and_the_next_request_respawns(daemon_env):
     client = make_client(daemon_env)
     info = await connect(daemon_env, client)
-    stream = await client.complete({"prompt": "x = 1\n" * 20, "max_tokens": 400, "temperature": 1.0, "seed": 1})
+    stream = await client.complete(
+        {"prompt": "x = 1\n" * 20, "max_tokens": 400, "temperature": 1.0, "seed": 1}
+    )
     with pytest.raises(EngineUnavailable):
         async for _ in stream:
             os.kill(info["pid"], signal.SIGKILL)
@@ -110,8 +115,14 @@ async def test_kill_9_mid_stream_gives_a_clean_error_and_the_next_request_respaw
 async def test_bad_parameters_get_errors_and_the_connection_lives(daemon_env):
     client = make_client(daemon_env)
     await connect(daemon_env, client)
-    for params in ({}, {"prefix": 3}, {"prefix": "a", "max_tokens": -1}, {"prefix": "a", "bogus": 1},
-                   {"prefix": "a", "top_p": 0}, {"prefix": "a", "stop": "x"}):
+    for params in (
+        {},
+        {"prefix": 3},
+        {"prefix": "a", "max_tokens": -1},
+        {"prefix": "a", "bogus": 1},
+        {"prefix": "a", "top_p": 0},
+        {"prefix": "a", "stop": "x"},
+    ):
         with pytest.raises(EngineError) as err:
             await collect(client, params)
         assert err.value.code == P.BAD_REQUEST
@@ -127,7 +138,11 @@ def _raw_exchange(path, payload: bytes, hello_first: bool) -> None:
     try:
         s.connect(str(path))
         if hello_first:
-            s.sendall(P.encode_frame({"id": 0, "method": "hello", "params": {"version": P.PROTOCOL_VERSION}}))
+            s.sendall(
+                P.encode_frame(
+                    {"id": 0, "method": "hello", "params": {"version": P.PROTOCOL_VERSION}}
+                )
+            )
         s.sendall(payload)
         s.shutdown(socket.SHUT_WR)
         while s.recv(65536):
@@ -139,13 +154,23 @@ def _raw_exchange(path, payload: bytes, hello_first: bool) -> None:
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 requests_maps = st.fixed_dictionaries(
-    {"id": st.integers(0, 9) | st.text(max_size=3) | st.none(), "method": st.sampled_from(list(P.METHODS[1:4]) + ["x"]),
-     "params": msgpack_values},
+    {
+        "id": st.integers(0, 9) | st.text(max_size=3) | st.none(),
+        "method": st.sampled_from(list(P.METHODS[1:4]) + ["x"]),
+        "params": msgpack_values,
+    },
 )
 frames = st.one_of(
     st.binary(max_size=64),  # garbage, often a huge length prefix
@@ -198,7 +223,9 @@ async def test_tcp_needs_the_token_and_binds_loopback(daemon_env, monkeypatch):
     friend = EngineClient(tcp=("127.0.0.1", port), token="s3cret-token")
     assert (await friend.request("health"))["ok"]
     await friend.close()
-    out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout if _has("ss") else ""
+    out = (
+        subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout if _has("ss") else ""
+    )
     if out:
         listening = [line for line in out.splitlines() if f":{port} " in line + " "]
         assert listening and all("127.0.0.1" in line for line in listening)
@@ -206,11 +233,16 @@ async def test_tcp_needs_the_token_and_binds_loopback(daemon_env, monkeypatch):
 
 
 def _has(tool):
-    return any(os.access(os.path.join(p, tool), os.X_OK) for p in os.environ.get("PATH", "").split(os.pathsep))
+    return any(
+        os.access(os.path.join(p, tool), os.X_OK)
+        for p in os.environ.get("PATH", "").split(os.pathsep)
+    )
 
 
 async def test_sigterm_drains_and_idle_timeout_exits(daemon_env):
-    client = EngineClient(spawn=SpawnConfig(model=daemon_env["model"], extra_args=["--idle-timeout", "1"]))
+    client = EngineClient(
+        spawn=SpawnConfig(model=daemon_env["model"], extra_args=["--idle-timeout", "1"])
+    )
     info = await connect(daemon_env, client)
     stream = await client.complete(dict(FIM, max_tokens=30, temperature=1.0, seed=2))
     os.kill(info["pid"], signal.SIGTERM)
@@ -220,7 +252,9 @@ async def test_sigterm_drains_and_idle_timeout_exits(daemon_env):
     _wait_gone(info["pid"])
     assert not daemon_env["sock"].exists()
 
-    idle = EngineClient(spawn=SpawnConfig(model=daemon_env["model"], extra_args=["--idle-timeout", "1"]))
+    idle = EngineClient(
+        spawn=SpawnConfig(model=daemon_env["model"], extra_args=["--idle-timeout", "1"])
+    )
     info = await connect(daemon_env, idle)
     await idle.close()
     _wait_gone(info["pid"], timeout=15)
@@ -265,7 +299,7 @@ async def test_cancel_with_a_bad_id_is_an_error_not_a_closed_connection(daemon_e
 
 
 def test_a_draining_daemon_leaves_its_successors_socket_alone(tmp_path):
-    from engine.server import remove_own_socket
+    from engine.serve.daemon import remove_own_socket
 
     path = tmp_path / "engine.sock"
     old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -292,5 +326,7 @@ async def test_speculative_decoding_is_on_by_default_and_the_flag_turns_it_off(d
         if not expected:
             assert stats["draft_tokens"] == 0
         await client.close()
-        os.kill(info["pid"], signal.SIGTERM)  # the next spawn must start a daemon with its own flags
+        os.kill(
+            info["pid"], signal.SIGTERM
+        )  # the next spawn must start a daemon with its own flags
         _wait_gone(info["pid"])

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from engine import protocol as P
-from engine.client import EngineClient, EngineError
+from engine.ipc import protocol as P
+from engine.ipc.client import EngineClient, EngineError
 from engine.models import default_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,11 +42,11 @@ RSS_BOUND_MB = 300
 LAUNCH = """
 import asyncio, json, sys
 from pathlib import Path
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.models import default_model_dir
-from engine.scheduler import Engine
-from engine.server import EngineServer, ServeOptions
-from engine.tokenizer import Tokenizer
+from engine.core.scheduler import Engine
+from engine.serve.daemon import EngineServer, ServeOptions
+from engine.loading.tokenizer import Tokenizer
 options = json.loads(sys.argv[1])
 options["socket_path"] = Path(options["socket_path"])
 model_dir = default_model_dir()
@@ -78,8 +78,14 @@ def start_daemon(tmp: Path, **options) -> Daemon:
     env = dict(os.environ, WD_ENGINE_DIR=str(sock.parent))
     options = dict(dict(idle_timeout_s=120.0), **options, socket_path=str(sock))
     log = open(tmp / "daemon.log", "wb")
-    process = subprocess.Popen([sys.executable, "-c", LAUNCH, json.dumps(options)], cwd=REPO, env=env,
-                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, json.dumps(options)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     daemon = Daemon(process=process, socket=sock, log=tmp / "daemon.log")
     deadline = time.monotonic() + 120
     while not _listening(sock):
@@ -169,8 +175,16 @@ class Flooder(threading.Thread):
 
     def _requests(self, n: int) -> list[bytes]:
         first, self.next_id = self.next_id, self.next_id + n
-        return [frame(i, "complete", dict(FIM, prefix=f"def f{i}(x):\n    return ", max_tokens=64,
-                                          temperature=1.0, seed=i)) for i in range(first, first + n)]
+        return [
+            frame(
+                i,
+                "complete",
+                dict(
+                    FIM, prefix=f"def f{i}(x):\n    return ", max_tokens=64, temperature=1.0, seed=i
+                ),
+            )
+            for i in range(first, first + n)
+        ]
 
     def run(self) -> None:
         try:
@@ -188,8 +202,16 @@ class Flooder(threading.Thread):
 def never_reader(path: Path, n: int) -> RawPeer:
     """Asks for long streamed completions and never reads a byte of them."""
     peer = RawPeer(path)
-    peer.send(*(frame(i, "complete", dict(prompt=f"# file {i}\nimport os\n", max_tokens=900, temperature=1.0,
-                                          seed=i)) for i in range(1, n + 1)))
+    peer.send(
+        *(
+            frame(
+                i,
+                "complete",
+                dict(prompt=f"# file {i}\nimport os\n", max_tokens=900, temperature=1.0, seed=i),
+            )
+            for i in range(1, n + 1)
+        )
+    )
     return peer
 
 
@@ -213,12 +235,16 @@ async def test_a_flood_and_a_reader_that_never_reads_do_not_starve_another_clien
             assert result["finish_reason"] in ("length", "eos", "stop")
             loaded.append(seconds)
         stats = await victim.request("stats")
-        print(f"\nvictim's 8-token completion: unloaded median {statistics.median(unloaded):.3f} s; with the "
-              f"flooder and the never-reader busy {', '.join(f'{s:.2f}' for s in loaded)} s (bound "
-              f"{FAIR_BOUND_S} s); flooder's final frames {flooder.codes}; engine running "
-              f"{stats['running']}, waiting {stats['waiting']}")
+        print(
+            f"\nvictim's 8-token completion: unloaded median {statistics.median(unloaded):.3f} s; with the "
+            f"flooder and the never-reader busy {', '.join(f'{s:.2f}' for s in loaded)} s (bound "
+            f"{FAIR_BOUND_S} s); flooder's final frames {flooder.codes}; engine running "
+            f"{stats['running']}, waiting {stats['waiting']}"
+        )
         assert max(loaded) < FAIR_BOUND_S
-        assert flooder.codes.get(P.TOO_MANY_REQUESTS, 0) >= 3000 - cap  # the excess, refused at once
+        assert (
+            flooder.codes.get(P.TOO_MANY_REQUESTS, 0) >= 3000 - cap
+        )  # the excess, refused at once
         assert stats["too_many_requests"] >= 3000 - cap
     finally:
         for peer in peers:
@@ -237,7 +263,9 @@ async def test_a_peer_that_never_reads_loses_its_streams_and_holds_up_nobody(tmp
         await client.connect()
         silent = never_reader(daemon.socket, 4)
         deadline = time.monotonic() + 60
-        while (stats := await client.request("stats"))["slow_readers"] < 4 and time.monotonic() < deadline:
+        while (stats := await client.request("stats"))[
+            "slow_readers"
+        ] < 4 and time.monotonic() < deadline:
             t0 = time.monotonic()
             assert (await client.request("health"))["ok"] and time.monotonic() - t0 < 5
             await asyncio.sleep(0.1)
@@ -246,7 +274,9 @@ async def test_a_peer_that_never_reads_loses_its_streams_and_holds_up_nobody(tmp
         deadline = time.monotonic() + 30
         while (stats := await client.request("stats"))["running"] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert stats["running"] == 0 and stats["waiting"] == 0  # the engine stopped computing for it
+        assert (
+            stats["running"] == 0 and stats["waiting"] == 0
+        )  # the engine stopped computing for it
     finally:
         if silent is not None:
             silent.close()
@@ -257,15 +287,15 @@ async def test_a_peer_that_never_reads_loses_its_streams_and_holds_up_nobody(tmp
 # -- the scheduler's share-out, driven step by step ---------------------------------------------
 @pytest.fixture(scope="module")
 def embedded():
-    from engine.loader import load_model
-    from engine.tokenizer import Tokenizer
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
 
     model = load_model(default_model_dir())
     return model, Tokenizer.from_dir(default_model_dir(), extra_eos_ids=model.config.eos_token_ids)
 
 
 def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedded):
-    from engine.scheduler import Engine, Request
+    from engine.core.scheduler import Engine, Request
 
     model, tok = embedded
     engine = Engine(model, tok, num_blocks=256, block_size=16, max_batch=2, speculative=False)
@@ -277,15 +307,21 @@ def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedd
 
     prompt = tok.encode("def add(a, b):\n    return a + b\n")
     for i in range(12):  # one client's queue: each takes 300 tokens of room, 19 blocks
-        flood = Request(prompt + [100 + i], max_tokens=280, stop_at_eos=False, owner="flood", id=f"f{i}")
+        flood = Request(
+            prompt + [100 + i], max_tokens=280, stop_at_eos=False, owner="flood", id=f"f{i}"
+        )
         engine.submit(flood, on_event)
-    engine.submit(Request(prompt + [7], max_tokens=6, stop_at_eos=False, owner="other", id="other"), on_event)
+    engine.submit(
+        Request(prompt + [7], max_tokens=6, stop_at_eos=False, owner="other", id="other"), on_event
+    )
     engine.step()
     flood_blocks = sum(len(a.table.blocks) for a in engine.running if a.request.owner == "flood")
     # With another owner there, a quarter of the pool, however many it queues (alone it may take
     # more: tests/engine/test_scheduler.py).
     assert flood_blocks <= engine.owner_block_limit == 64
-    assert sum(a.request.owner == "flood" for a in engine.running) > engine.max_batch  # it fills the batch
+    assert (
+        sum(a.request.owner == "flood" for a in engine.running) > engine.max_batch
+    )  # it fills the batch
     steps = 1
     while "other" not in done and steps < 50:
         engine.step()
@@ -299,7 +335,7 @@ def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedd
 
 
 def test_engine_errors_carry_protocol_codes(embedded):
-    from engine.scheduler import Engine, Request
+    from engine.core.scheduler import Engine, Request
 
     model, tok = embedded
     engine = Engine(model, tok, num_blocks=4, block_size=16)
@@ -307,7 +343,9 @@ def test_engine_errors_carry_protocol_codes(embedded):
     cases = {P.BAD_REQUEST: [], P.CONTEXT_EXCEEDED: [5] * context, P.POOL_FULL: [5] * 100}
     events = {}
     for code, ids in cases.items():
-        engine.submit(Request(ids, max_tokens=4, id=code), lambda e: events.setdefault(e.request_id, e))
+        engine.submit(
+            Request(ids, max_tokens=4, id=code), lambda e: events.setdefault(e.request_id, e)
+        )
     engine.run_until_idle()
     for code in cases:
         assert events[code].kind == "error" and events[code].code == code, events[code]
@@ -316,7 +354,7 @@ def test_engine_errors_carry_protocol_codes(embedded):
 def test_an_exception_that_happens_to_have_a_code_is_an_engine_error(embedded, monkeypatch):
     """Only the engine's own refusals carry their code: any other exception's `.code` (an
     OSError subclass's, a library's) is no protocol code."""
-    from engine.scheduler import Engine, Request
+    from engine.core.scheduler import Engine, Request
 
     class Odd(RuntimeError):
         code = P.BAD_REQUEST
@@ -346,7 +384,9 @@ async def test_an_8_mb_prompt_is_refused_by_its_size_and_memory_stays_put(shared
     outcomes = await asyncio.gather(*asks, return_exceptions=True)
     seconds = time.monotonic() - t0
     after = shared.rss_mb()
-    print(f"\n3 x 8 MB prompts refused in {seconds:.2f} s; daemon RSS {before:.0f} -> {after:.0f} MB")
+    print(
+        f"\n3 x 8 MB prompts refused in {seconds:.2f} s; daemon RSS {before:.0f} -> {after:.0f} MB"
+    )
     assert seconds < 20  # by size alone: tokenizing one took ~9 s
     for outcome in outcomes:
         assert isinstance(outcome, EngineError) and outcome.code == P.CONTEXT_EXCEEDED, outcome
@@ -364,14 +404,18 @@ async def test_fim_with_8_mb_prefixes_completes_cut_without_memory_or_delay_for_
     before = shared.rss_mb()
     prefix = "".join(f"value_{i} = compute({i}, 'argument')\n" for i in range(190_000)) + "total = "
     assert len(prefix) > 7_000_000
-    big = [timed_completion(c, dict(prefix=prefix, suffix="\n" * 1000, max_tokens=8)) for c in heavy]
+    big = [
+        timed_completion(c, dict(prefix=prefix, suffix="\n" * 1000, max_tokens=8)) for c in heavy
+    ]
     small = timed_completion(victim, dict(FIM, max_tokens=8))
     *outcomes, (victim_s, victim_result) = await asyncio.gather(*big, small)
     after = shared.rss_mb()
-    print(f"\n3 x FIM with a {len(prefix) / 1e6:.1f} MB prefix: {max(s for s, _ in outcomes):.2f} s, prompts "
-          f"{[r['usage']['prompt_tokens'] for _, r in outcomes]} tokens; another client's completion "
-          f"meanwhile {victim_s:.2f} s, its first token {victim_result['usage']['first_token_ms']:.0f} ms "
-          f"after it was queued; daemon RSS {before:.0f} -> {after:.0f} MB")
+    print(
+        f"\n3 x FIM with a {len(prefix) / 1e6:.1f} MB prefix: {max(s for s, _ in outcomes):.2f} s, prompts "
+        f"{[r['usage']['prompt_tokens'] for _, r in outcomes]} tokens; another client's completion "
+        f"meanwhile {victim_s:.2f} s, its first token {victim_result['usage']['first_token_ms']:.0f} ms "
+        f"after it was queued; daemon RSS {before:.0f} -> {after:.0f} MB"
+    )
     for _, result in outcomes:
         assert result["finish_reason"] in ("length", "eos", "stop")
         assert 100 < result["usage"]["prompt_tokens"] <= 4096
@@ -400,14 +444,22 @@ def test_a_complete_and_its_cancel_in_one_write_computes_nothing(shared):
     peer.close()
 
 
-async def test_top_p_that_is_zero_in_float32_and_max_tokens_near_the_context_get_clear_errors(shared):
+async def test_top_p_that_is_zero_in_float32_and_max_tokens_near_the_context_get_clear_errors(
+    shared,
+):
     client = shared.client()
     info = (await client.connect())["model"]
     with pytest.raises(EngineError) as err:
         await timed_completion(client, dict(FIM, max_tokens=4, temperature=1.0, top_p=1e-50))
     assert err.value.code == P.BAD_REQUEST and "top_p" in err.value.message
-    _, result = await timed_completion(client, dict(FIM, max_tokens=4, temperature=1.0, top_p=1e-45, seed=1))
-    assert result["finish_reason"] in ("length", "eos", "stop")  # the smallest float32 still samples
+    _, result = await timed_completion(
+        client, dict(FIM, max_tokens=4, temperature=1.0, top_p=1e-45, seed=1)
+    )
+    assert result["finish_reason"] in (
+        "length",
+        "eos",
+        "stop",
+    )  # the smallest float32 still samples
 
     most = info["max_completion_tokens"]
     assert 0 < most < info["max_context"]
@@ -418,7 +470,9 @@ async def test_top_p_that_is_zero_in_float32_and_max_tokens_near_the_context_get
         await client.warm(dict(FIM, max_tokens=most + 1))
     assert err.value.code == P.CONTEXT_EXCEEDED
     long_prefix = "".join(f"v{i} = {i}\n" for i in range(2000))
-    warmed = await client.warm(dict(FIM, prefix=long_prefix, max_tokens=most))  # the prompt keeps its share
+    warmed = await client.warm(
+        dict(FIM, prefix=long_prefix, max_tokens=most)
+    )  # the prompt keeps its share
     least = info["max_context"] // 4  # cut in whole lines: at most a quarter of that goes unused
     assert least * 3 // 4 <= warmed["usage"]["prompt_tokens"] <= least
     await client.close()
@@ -475,7 +529,9 @@ def test_a_silent_connection_is_closed_and_does_not_keep_the_daemon_alive(tmp_pa
 def test_a_frame_over_64_kb_before_hello_is_refused_by_its_header(shared):
     """Until its hello is checked a peer may be anyone: it cannot make the daemon read (and hold)
     a frame of megabytes, while a greeted client still may send one."""
-    padded = frame(0, "hello", {"version": P.PROTOCOL_VERSION, "pad": "x" * (P.MAX_HELLO_FRAME_BYTES + 1)})
+    padded = frame(
+        0, "hello", {"version": P.PROTOCOL_VERSION, "pad": "x" * (P.MAX_HELLO_FRAME_BYTES + 1)}
+    )
     peer = RawPeer(shared.socket, greet=False)
     peer.send(padded[: P.HEADER.size])  # the header alone is enough to refuse it
     message = peer.read()
@@ -496,11 +552,14 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
     """A peer that leaves mid-build cancels the task awaiting the build, not the build: its slot
     is given back only when the build's thread is done, so no more than `prompt_builders`
     prompts are ever tokenized at once, however many peers come and go."""
-    from engine.server import EngineServer, ServeOptions
+    from engine.serve.daemon import EngineServer, ServeOptions
 
     _, tok = embedded
-    server = EngineServer(SimpleNamespace(tokenizer=tok), default_model_dir(),
-                          ServeOptions(socket_path=Path("unused.sock"), prompt_builders=2))
+    server = EngineServer(
+        SimpleNamespace(tokenizer=tok),
+        default_model_dir(),
+        ServeOptions(socket_path=Path("unused.sock"), prompt_builders=2),
+    )
     lock, release = threading.Lock(), threading.Event()
     started: list[int] = []
     state = {"now": 0, "most": 0}
@@ -524,13 +583,18 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
             tasks[i].cancel()
             cancelled.add(i)
         await asyncio.sleep(0.01)
-    print(f"\nbuilds started while their peers left: {sorted(started)}; at most {state['most']} at once")
+    print(
+        f"\nbuilds started while their peers left: {sorted(started)}; at most {state['most']} at once"
+    )
     assert state["most"] <= 2 and len(started) == 2
     release.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert all(isinstance(r, asyncio.CancelledError) for i, r in enumerate(results) if i in cancelled)
-    assert [r for i, r in enumerate(results) if i not in cancelled] == [([i], "") for i in range(5)
-                                                                         if i not in cancelled]
+    assert all(
+        isinstance(r, asyncio.CancelledError) for i, r in enumerate(results) if i in cancelled
+    )
+    assert [r for i, r in enumerate(results) if i not in cancelled] == [
+        ([i], "") for i in range(5) if i not in cancelled
+    ]
     assert state["most"] <= 2
     assert await asyncio.wait_for(server.build_prompt(9), 10) == ([9], "")  # every slot came back
 
@@ -542,10 +606,21 @@ def test_the_daemon_refuses_a_regular_file_at_its_socket_path_and_exits_non_zero
     planted = run / "engine.sock"
     planted.write_text("keep me")
     env = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp_path / "state"))
-    command = [sys.executable, "-m", "engine.cli", "serve", "--socket", str(planted),
-               "--log-file", str(tmp_path / "log"), "--model", str(default_model_dir())]
-    process = subprocess.run(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                             timeout=180)  # killed if it ever serves
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--socket",
+        str(planted),
+        "--log-file",
+        str(tmp_path / "log"),
+        "--model",
+        str(default_model_dir()),
+    ]
+    process = subprocess.run(
+        command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=180
+    )  # killed if it ever serves
     assert process.returncode != 0
     assert f"{planted} exists and is a regular file" in process.stderr.decode()
     assert planted.read_text() == "keep me"
@@ -553,7 +628,7 @@ def test_the_daemon_refuses_a_regular_file_at_its_socket_path_and_exits_non_zero
 
 @pytest.mark.parametrize("kind", ["file", "directory", "link", "dangling link"])
 def test_nothing_but_a_stale_socket_is_replaced_at_the_socket_path(tmp_path, monkeypatch, kind):
-    from engine.server import UnsafeSocketPath, bind_socket
+    from engine.serve.daemon import UnsafeSocketPath, bind_socket
 
     monkeypatch.setenv("WD_ENGINE_DIR", str(tmp_path / "run"))
     target = tmp_path / "precious.txt"
@@ -573,11 +648,15 @@ def test_nothing_but_a_stale_socket_is_replaced_at_the_socket_path(tmp_path, mon
     elif kind == "directory":
         assert (path / "inside").read_text() == "and me"
     else:
-        assert path.is_symlink() and target.read_text() == "keep me" and not (tmp_path / "nowhere").exists()
+        assert (
+            path.is_symlink()
+            and target.read_text() == "keep me"
+            and not (tmp_path / "nowhere").exists()
+        )
 
 
 def test_a_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path, monkeypatch):
-    from engine.server import bind_socket
+    from engine.serve.daemon import bind_socket
 
     monkeypatch.setenv("WD_ENGINE_DIR", str(tmp_path / "run"))
     path = tmp_path / "engine.sock"
@@ -596,7 +675,7 @@ def test_a_bound_socket_listens_at_once_so_another_engine_never_takes_it_for_sta
     """Between bind() and listen() a connect is refused, which another engine starting takes
     for a crashed one's leftover: it would unlink the socket, and the first engine, recording
     the path's identity later, would then own (and at its end delete) the newcomer's."""
-    from engine.server import bind_socket, prepare_socket_path, remove_own_socket
+    from engine.serve.daemon import bind_socket, prepare_socket_path, remove_own_socket
 
     path = tmp_path / "engine.sock"
     listener, identity = bind_socket(path)
@@ -612,7 +691,7 @@ def test_a_bound_socket_listens_at_once_so_another_engine_never_takes_it_for_sta
 def test_the_default_socket_path_is_in_a_private_runtime_directory(tmp_path, monkeypatch):
     """The daemon's default socket path comes from paths.socket_path(), which creates the
     runtime directory 0700 and refuses one that is not this user's own directory."""
-    from engine import paths
+    from engine.ipc import paths
 
     run = tmp_path / "run"
     monkeypatch.setenv("WD_ENGINE_DIR", str(run))

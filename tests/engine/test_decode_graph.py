@@ -1,4 +1,4 @@
-"""The fused decode step (`engine.decode_graph`) against the model's plain forward.
+"""The fused decode step (`engine.model.cuda_graph`) against the model's plain forward.
 
 On the CPU the step runs eagerly through Triton's interpreter: the same code a CUDA graph
 captures, so the graph-free and graph-captured step can only differ by the capture itself.
@@ -7,11 +7,11 @@ captures, so the graph-free and graph-captured step can only differ by the captu
 import pytest
 import torch
 
-from engine.decode_graph import DecodeGraphs, DecodeStep
-from engine.kv_pool import KVPool, PagedBatch
-from engine.loader import load_model
-from engine.scheduler import Engine, Request
-from engine.tokenizer import Tokenizer
+from engine.core.scheduler import Engine, Request
+from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
+from engine.model.cuda_graph import DecodeGraphs, DecodeStep
 
 BLOCK = 4
 
@@ -24,7 +24,16 @@ def tiny(checkpoint_factory):
 
 def _pool(model, fp8=False, blocks=24):
     cfg = model.config
-    return KVPool(cfg.num_layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, fp8)
+    return KVPool(
+        cfg.num_layers,
+        blocks,
+        BLOCK,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        model.dtype,
+        model.device,
+        fp8,
+    )
 
 
 def _prefill(model, pool, table, tokens):
@@ -45,8 +54,16 @@ def _clone(pool):
 
 def _pool_like(pool):
     keys = pool.keys[0]
-    return KVPool(len(pool.keys), pool.num_blocks, pool.block_size, keys.shape[1], keys.shape[2], pool.dtype,
-                  keys.device, pool.fp8)
+    return KVPool(
+        len(pool.keys),
+        pool.num_blocks,
+        pool.block_size,
+        keys.shape[1],
+        keys.shape[2],
+        pool.dtype,
+        keys.device,
+        pool.fp8,
+    )
 
 
 def _max_rel(a, b):
@@ -59,7 +76,10 @@ def test_batched_decode_matches_forward(tiny, fp8):
     model, _ = tiny
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prompts = [torch.randint(1, vocab, (9,), generator=g).tolist(), torch.randint(1, vocab, (14,), generator=g).tolist()]
+    prompts = [
+        torch.randint(1, vocab, (9,), generator=g).tolist(),
+        torch.randint(1, vocab, (14,), generator=g).tolist(),
+    ]
     tables = [[7, 2, 11], [5, 19, 0, 3]]  # room for the next token in each
     pool = _pool(model, fp8)
     for table, prompt in zip(tables, prompts):
@@ -68,7 +88,11 @@ def test_batched_decode_matches_forward(tiny, fp8):
     positions = [len(p) for p in prompts]
 
     twin = _clone(pool)
-    expected = model.forward(torch.tensor(nxt)[:, None], torch.tensor(positions)[:, None], PagedBatch(twin, tables, "cpu"))
+    expected = model.forward(
+        torch.tensor(nxt)[:, None],
+        torch.tensor(positions)[:, None],
+        PagedBatch(twin, tables, "cpu"),
+    )
 
     step = DecodeStep(model, pool, rows=4, max_blocks=8)
     step.load(nxt, positions, tables)
@@ -78,7 +102,10 @@ def test_batched_decode_matches_forward(tiny, fp8):
     assert torch.equal(step.greedy[:2], step.logits[:2].argmax(-1))
     # The step wrote the new tokens' K/V where the plain forward did.
     for layer in range(model.config.num_layers):
-        a, b = pool.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0], twin.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0]
+        a, b = (
+            pool.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0],
+            twin.read(layer, torch.tensor([[7 * BLOCK + 1, 3 * BLOCK + 2]]))[0],
+        )
         assert _max_rel(a, b) < (2e-2 if fp8 else 1e-5)
 
 
@@ -91,7 +118,9 @@ def test_rows_of_one_sequence_are_causal(tiny):
     pool = _pool(model)
     _prefill(model, pool, table, tokens[:10])
     twin = _clone(pool)
-    expected = model.forward(torch.tensor([tokens[10:]]), torch.arange(10, 13)[None], PagedBatch(twin, [table], "cpu"))
+    expected = model.forward(
+        torch.tensor([tokens[10:]]), torch.arange(10, 13)[None], PagedBatch(twin, [table], "cpu")
+    )
 
     graphs = DecodeGraphs(model, pool, max_tokens=64, buckets=(1, 4))
     assert not graphs.capture  # CPU: eager, same step
@@ -121,7 +150,9 @@ def test_engine_with_step_generates_what_the_plain_engine_does(tiny):
         events = []
         engine.submit(Request(prompt[:-3], warm_only=True), events.append)
         engine.run_until_idle()
-        engine.submit(Request(prompt, max_tokens=6, stop_at_eos=False, return_logits=True), events.append)
+        engine.submit(
+            Request(prompt, max_tokens=6, stop_at_eos=False, return_logits=True), events.append
+        )
         engine.run_until_idle()
         done = events[-1]
         assert done.kind == "done", done

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, ModelFormatError
-from engine.fp8 import FP8, SCALE_SUFFIX, block_size, dequantize, quantize
-from engine.loader import load_model
-from engine.weights import CheckpointReader
+from engine.loading.checkpoint_reader import CheckpointReader
+from engine.loading.fp8 import FP8, SCALE_SUFFIX, block_size, dequantize, quantize
+from engine.loading.loader import load_model
+from engine.model.config import ModelConfig, ModelFormatError
 
 NAME = "model.layers.0.self_attn.q_proj.weight"
 OTHER = "model.layers.0.input_layernorm.weight"
@@ -55,8 +55,9 @@ def test_ragged_grid_dequantizes_through_the_reader(tmp_path):
     q, s = quantize(w, 32)
     assert tuple(s.shape) == (5, 3)
     reader = _reader(tmp_path, {NAME: q, NAME + SCALE_SUFFIX: s})
-    torch.testing.assert_close(reader.get(NAME, (130, 70), torch.float32), _reference_dequantize(q, s, 32),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        reader.get(NAME, (130, 70), torch.float32), _reference_dequantize(q, s, 32), rtol=0, atol=0
+    )
 
 
 def test_fp8_tensor_read_without_a_block_size_is_named(tmp_path):
@@ -64,8 +65,10 @@ def test_fp8_tensor_read_without_a_block_size_is_named(tmp_path):
     q, s = quantize(_weights((64, 64)), 32)
     norm = torch.ones(48)
     reader = _reader(tmp_path, {NAME: q, NAME + SCALE_SUFFIX: s, OTHER: norm}, fp8_block=None)
-    with pytest.raises(ModelFormatError, match=re.escape(f"tensor {NAME!r} is fp8 but config.json has no fp8 "
-                                                         "quantization_config")):
+    with pytest.raises(
+        ModelFormatError,
+        match=re.escape(f"tensor {NAME!r} is fp8 but config.json has no fp8 quantization_config"),
+    ):
         reader.get(NAME, (64, 64), torch.float32)
     assert torch.equal(reader.get(OTHER, (48,), torch.float32), norm)  # plain tensors need no block
 
@@ -73,7 +76,9 @@ def test_fp8_tensor_read_without_a_block_size_is_named(tmp_path):
 def test_fp8_tensor_without_scale_is_named(tmp_path):
     q, _ = quantize(_weights((64, 64)), 32)
     reader = _reader(tmp_path, {NAME: q})
-    with pytest.raises(ModelFormatError, match=re.escape(f"fp8 tensor {NAME!r} has no {NAME + SCALE_SUFFIX!r}")):
+    with pytest.raises(
+        ModelFormatError, match=re.escape(f"fp8 tensor {NAME!r} has no {NAME + SCALE_SUFFIX!r}")
+    ):
         reader.get(NAME, (64, 64), torch.float32)
 
 
@@ -94,9 +99,11 @@ def test_scale_next_to_a_3d_fp8_tensor_is_named(tmp_path):
         reader.get(name, (2, 8, 8), torch.float32)
 
 
-@pytest.mark.parametrize("scale_shape", [(33, 2), (65, 2), (2, 65), (2,), (2, 2, 1)],
-                         ids=["no-block-fits", "more-row-blocks-than-rows", "more-col-blocks-than-cols",
-                              "1-d", "3-d"])
+@pytest.mark.parametrize(
+    "scale_shape",
+    [(33, 2), (65, 2), (2, 65), (2,), (2, 2, 1)],
+    ids=["no-block-fits", "more-row-blocks-than-rows", "more-col-blocks-than-cols", "1-d", "3-d"],
+)
 def test_mismatched_scale_grid_is_named(tmp_path, scale_shape):
     q, _ = quantize(_weights((64, 64)), 32)
     reader = _reader(tmp_path, {NAME: q, NAME + SCALE_SUFFIX: torch.ones(scale_shape)})
@@ -105,13 +112,22 @@ def test_mismatched_scale_grid_is_named(tmp_path, scale_shape):
 
 
 def _fp8_config(block):
-    return {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}}
+    return {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block,
+        }
+    }
 
 
 def test_block_size_comes_from_the_fp8_quantization_config():
     assert block_size({"hidden_size": 8}) is None
     assert block_size({"quantization_config": None}) is None
-    assert block_size({"quantization_config": {"quant_method": "gptq", "weight_block_size": "x"}}) is None
+    assert (
+        block_size({"quantization_config": {"quant_method": "gptq", "weight_block_size": "x"}})
+        is None
+    )
     assert block_size(_fp8_config([64, 64])) == (64, 64)
     assert block_size(_fp8_config([64, 128])) == (64, 128)  # rows, then columns
 
@@ -126,9 +142,13 @@ def test_malformed_block_size_is_refused(block):
         block_size(_fp8_config(block))
 
 
-@pytest.mark.parametrize("block", [[0, 64], [64, -1], [64.0, 64], None], ids=["zero", "negative", "float", "missing"])
+@pytest.mark.parametrize(
+    "block", [[0, 64], [64, -1], [64.0, 64], None], ids=["zero", "negative", "float", "missing"]
+)
 def test_malformed_block_size_error_names_the_setting(block):
-    with pytest.raises(ValueError, match=re.escape(f"weight_block_size [rows, cols], got {block!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"weight_block_size [rows, cols], got {block!r}")
+    ):
         block_size(_fp8_config(block))
 
 
@@ -137,11 +157,21 @@ def test_block_size_given_as_one_number_is_refused():
         block_size(_fp8_config(128))
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}, {"bits": 8}])
+@pytest.mark.parametrize(
+    "quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}, {"bits": 8}]
+)
 def test_unsupported_quantization_is_named(quant):
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
-           "num_attention_heads": 1, "quantization_config": quant}
-    with pytest.raises(ModelFormatError, match=re.escape(f"unsupported quantization {quant.get('quant_method')!r}")):
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "quantization_config": quant,
+    }
+    with pytest.raises(
+        ModelFormatError, match=re.escape(f"unsupported quantization {quant.get('quant_method')!r}")
+    ):
         ModelConfig.from_dict(cfg)
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert ModelConfig.from_dict({**cfg, "quantization_config": fp8}).hidden_size == 8
@@ -165,8 +195,11 @@ def _fp8_folder(src, dst, block, drop_scale_of=None):
             out[name] = t
     save_file(out, dst / "model.safetensors")
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [block, block]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst, out
 
@@ -223,7 +256,10 @@ def test_scale_grid_not_matching_the_configs_block_size_is_named(checkpoint_fact
     assert tensors[name + SCALE_SUFFIX].shape == (4, 4)
     tensors[name + SCALE_SUFFIX] = torch.full((3, 3), 2.0**-8)
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(ModelFormatError, match=re.escape(name) + r".*blocks of 16x16 needs a scale grid \(4, 4\), got \(3, 3\)"):
+    with pytest.raises(
+        ModelFormatError,
+        match=re.escape(name) + r".*blocks of 16x16 needs a scale grid \(4, 4\), got \(3, 3\)",
+    ):
         load_model(folder)
 
 
@@ -242,8 +278,12 @@ def fp8_folder16(checkpoint_factory, tmp_path):
 
 
 def test_fp8_folder_whose_config_names_another_block_size_is_refused(fp8_folder16):
-    _set_quantization(fp8_folder16, _fp8_config([32, 32])["quantization_config"])  # the grids are block 16's
-    with pytest.raises(ModelFormatError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*blocks of 32x32"):
+    _set_quantization(
+        fp8_folder16, _fp8_config([32, 32])["quantization_config"]
+    )  # the grids are block 16's
+    with pytest.raises(
+        ModelFormatError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*blocks of 32x32"
+    ):
         load_model(fp8_folder16)
 
 
@@ -262,14 +302,22 @@ def test_fp8_folder_with_a_block_size_given_as_one_number_is_named(fp8_folder16)
 
 def test_fp8_folder_without_a_quantization_config_is_named(fp8_folder16):
     _set_quantization(fp8_folder16, None)
-    with pytest.raises(ModelFormatError, match=r"is fp8 but config.json has no fp8 quantization_config"):
+    with pytest.raises(
+        ModelFormatError, match=r"is fp8 but config.json has no fp8 quantization_config"
+    ):
         load_model(fp8_folder16)
 
 
 @pytest.mark.parametrize("quant", ["fp8", ["fp8"], 8])
 def test_a_quantization_config_that_is_not_an_object_is_named(quant):
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
-           "num_attention_heads": 1, "quantization_config": quant}
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "quantization_config": quant,
+    }
     with pytest.raises(ModelFormatError, match="quantization_config"):
         ModelConfig.from_dict(cfg)
 

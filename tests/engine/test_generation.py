@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from engine.fim import FimUnsupported, build_fim_prompt
-from engine.generate import PromptTooLong, complete, generate
-from engine.loader import load_model
-from engine.sampling import sample
-from engine.stops import StopMatcher
-from engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from engine.core.generate import PromptTooLong, complete, generate
+from engine.decoding.sampling import sample
+from engine.decoding.stops import StopMatcher
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from engine.prompts.fim import FimUnsupported, build_fim_prompt
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,9 @@ def test_stop_strings_and_max_tokens(tiny):
 
 def test_streamed_deltas_concatenate_to_the_text(tiny):
     model, tokenizer = tiny
-    stream = generate(model, tokenizer, tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3)
+    stream = generate(
+        model, tokenizer, tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3
+    )
     deltas = list(stream)
     assert "".join(deltas) == stream.text
     assert stream.stats.first_token_s > 0 and stream.stats.prefill_s > 0
@@ -76,7 +78,9 @@ def test_top_p_keeps_only_the_nucleus():
 
 def test_fim_orders(tiny):
     _, tokenizer = tiny
-    pre, suf, mid = (tokenizer.token_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    pre, suf, mid = (
+        tokenizer.token_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    )
     a, b = tokenizer.encode("def f("), tokenizer.encode("):\n")
     assert build_fim_prompt(tokenizer, "def f(", "):\n", "psm") == [pre, *a, suf, *b, mid]
     assert build_fim_prompt(tokenizer, "def f(", "):\n", "spm") == [suf, *b, pre, *a, mid]

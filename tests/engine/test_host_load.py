@@ -1,13 +1,13 @@
-"""The host-load estimate (engine.host_load) on fake /proc/stat contents and clocks, and the rule
+"""The host-load estimate (engine.model.host_load) on fake /proc/stat contents and clocks, and the rule
 that runs a long CPU forward on one thread while other processes keep a core busy."""
 
 import pytest
 import torch
 
-from engine import host_load
-from engine import model as model_module
-from engine.host_load import HostLoad, busy_ticks
-from engine.random_model import TINY, random_model
+from engine.model import host_load
+from engine.model import qwen3_moe as model_module
+from engine.model.host_load import HostLoad, busy_ticks
+from engine.model.random_model import TINY, random_model
 
 TICKS = 100  # per second
 
@@ -15,8 +15,10 @@ TICKS = 100  # per second
 def _stat(*cpus):
     """/proc/stat text for per-CPU (busy, idle) ticks; busy split over user and system, some
     iowait counted as idle time."""
+
     def line(name, busy, idle):
         return f"{name} {busy - busy // 4} 0 {busy // 4} {idle - 3} 3 0 0 0 0 0"
+
     lines = [line("cpu", sum(b for b, _ in cpus), sum(i for _, i in cpus))]
     lines += [line(f"cpu{n}", b, i) for n, (b, i) in enumerate(cpus)]
     return "\n".join(lines + ["intr 1234 5 6", "ctxt 99", "btime 1700000000"]) + "\n"
@@ -91,7 +93,9 @@ def test_a_look_soon_after_the_last_reuses_its_estimate():
     assert load.others_busy_cores() == pytest.approx(1.0)
     host.run(0.01, others_busy=0.0)  # too short to say anything: the last estimate stands
     assert load.others_busy_cores() == pytest.approx(1.0)
-    host.run(0.05, others_busy=0.0)  # now 60 ms since the last estimate, over which others averaged 0
+    host.run(
+        0.05, others_busy=0.0
+    )  # now 60 ms since the last estimate, over which others averaged 0
     assert load.others_busy_cores() == pytest.approx(0.0)
 
 
@@ -124,7 +128,7 @@ def test_this_host_proc_stat_parses_where_it_exists():
     assert busy > 0 and cpus >= 1
 
 
-# -- the rule in engine.model ----------------------------------------------------------------------
+# -- the rule in engine.model.qwen3_moe ----------------------------------------------------------------------
 
 LONG = model_module.CPU_ONE_THREAD_MAX_TOKENS + 8
 

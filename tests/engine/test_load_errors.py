@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelFormatError
-from engine.loader import load_model
+from engine.loading.loader import load_model
+from engine.model.config import ModelFormatError
 
 
 @pytest.fixture
@@ -50,9 +50,17 @@ def test_unsupported_architecture_is_named(broken):
 def test_missing_folder_and_weights(tmp_path):
     with pytest.raises(ModelFormatError, match="does not exist"):
         load_model(tmp_path / "nowhere")
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8,
-                                                       "hidden_size": 8, "num_hidden_layers": 1,
-                                                       "num_attention_heads": 1}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+            }
+        )
+    )
     with pytest.raises(ModelFormatError, match="no \\*.safetensors"):
         load_model(tmp_path)
 

@@ -3,10 +3,11 @@ reference ops it replaces, on fresh random inputs."""
 
 import pytest
 import torch
+from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
+from checkpoints import lone_path_model
 
-from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE, lone_path_model
-from engine.kv_pool import KVPool, PagedBatch
-from engine.random_model import TINY, random_model
+from engine.kv.pool import KVPool, PagedBatch
+from engine.model.random_model import TINY, random_model
 from kernels import reference as ref
 
 
@@ -44,7 +45,11 @@ def test_route_one_equals_route(norm_topk_prob):
     for t in range(4):
         chosen = ref.route_one((x[t] @ router.T).tolist(), 2, norm_topk_prob)
         assert [e for e, _ in chosen] == ids[t].tolist()
-        assert torch.allclose(torch.tensor([w for _, w in chosen], dtype=torch.float64), weights[t].double(), rtol=1e-6)
+        assert torch.allclose(
+            torch.tensor([w for _, w in chosen], dtype=torch.float64),
+            weights[t].double(),
+            rtol=1e-6,
+        )
 
 
 def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
@@ -64,7 +69,9 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
         logits = []
         for i, lone in enumerate((True, False)):
             model.lone_decode = lone
-            logits.append(model.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1])
+            logits.append(
+                model.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1]
+            )
             tokens[i].append(int(logits[i].argmax()))
         nxt = [tokens[1][-1] if model.lone_weights == "int8" else tokens[0][-1], tokens[1][-1]]
         diffs.append(_rel(logits[0], logits[1]))
@@ -128,7 +135,7 @@ def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
 
 
 def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkeypatch):
-    from engine import model as model_module
+    from engine.model import qwen3_moe as model_module
 
     monkeypatch.setattr(model_module, "CPU_SMALL_MODEL_MAX_BYTES", 1000)
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=8)
@@ -136,7 +143,9 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
     model.prepare_lone_decode()
     assert model._lone is None  # no second copy of a big model's weights
     threads_seen = []
-    monkeypatch.setattr(model_module, "_intra_op_threads", lambda *_: threads_seen.append(1))  # must not be entered
+    monkeypatch.setattr(
+        model_module, "_intra_op_threads", lambda *_: threads_seen.append(1)
+    )  # must not be entered
     cache = model.new_cache(1)
     model.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], cache)
     logits = model.forward(torch.tensor([[3]]), torch.tensor([[2]]), cache)
@@ -158,7 +167,9 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
     """One sequence's prefill with last_only takes the lean path's lm_head (faster in the one-row
     case): fp32 gives the general path's logits up to rounding; int8 gives its best logit exactly."""
     model = lone_path_model("dense_and_untied", form)
-    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21)
+    )
     last = model.forward(ids, torch.arange(11)[None], model.new_cache(1), last_only=True)[0, -1]
     full = model.forward(ids, torch.arange(11)[None], model.new_cache(1))[0, -1]
     assert last.shape == full.shape
@@ -170,5 +181,7 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
         assert int(last.argmax()) == best
         torch.testing.assert_close(last[best], full[best], rtol=1e-5, atol=1e-5)
     # Two sequences take the general head.
-    both = model.forward(ids.expand(2, -1), torch.arange(11)[None].expand(2, -1), model.new_cache(2), last_only=True)
+    both = model.forward(
+        ids.expand(2, -1), torch.arange(11)[None].expand(2, -1), model.new_cache(2), last_only=True
+    )
     torch.testing.assert_close(both[0, -1], full, rtol=1e-5, atol=1e-5)

@@ -1,11 +1,19 @@
-"""The lean CPU decode path's weight forms (engine/lone_matrices.py) against plain fp32 products,
+"""The lean CPU decode path's weight forms (engine/model/lone_matrices.py) against plain fp32 products,
 on fresh random inputs, and the int8 form's exact best logits."""
 
 import pytest
 import torch
 
-from engine.lone_matrices import FORMS, INPUT_DTYPE, Fp32Matrix, Int8Matrix, default_form, int8_available, matrix
-from engine.random_model import TINY, random_model
+from engine.model.lone_matrices import (
+    FORMS,
+    INPUT_DTYPE,
+    Fp32Matrix,
+    Int8Matrix,
+    default_form,
+    int8_available,
+    matrix,
+)
+from engine.model.random_model import TINY, random_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch lacks _weight_int8pack_mm")
 
@@ -31,7 +39,10 @@ def test_int8_rounds_each_weight_to_half_its_rows_step():
 
 
 def test_int8_folds_the_norm_weight_into_the_columns():
-    w, norm = _weights(32, 48, seed=1), 1 + torch.rand(48, generator=torch.Generator().manual_seed(2))
+    w, norm = (
+        _weights(32, 48, seed=1),
+        1 + torch.rand(48, generator=torch.Generator().manual_seed(2)),
+    )
     m = Int8Matrix(w, norm)
     assert ((_dequantized(m) - w * norm).abs() <= 0.51 * m.scale.float()[:, None]).all()
 
@@ -53,7 +64,7 @@ def test_int8_products_match_the_dequantized_weights(rows):
     x, add = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
     # The kernel's inputs are bf16 activations; its sums are fp32, its results bf16.
     want = x.to(torch.bfloat16).float() @ _dequantized(m).t()
-    tol = dict(rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    tol = dict(rtol=2**-7, atol=2**-7 * want.abs().max().item())
     got = m.mm(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, **tol)
@@ -68,7 +79,10 @@ def test_int8_products_match_the_dequantized_weights(rows):
 
 
 def test_fp32_products_are_the_plain_ones():
-    w, norm = _weights(96, 64, seed=6), 1 + torch.rand(64, generator=torch.Generator().manual_seed(7))
+    w, norm = (
+        _weights(96, 64, seed=6),
+        1 + torch.rand(64, generator=torch.Generator().manual_seed(7)),
+    )
     m = Fp32Matrix(w, norm)
     assert m.t.shape == (96, 64) and m.t.t().is_contiguous()  # [in, out] storage
     g = torch.Generator().manual_seed(8)
@@ -77,7 +91,9 @@ def test_fp32_products_are_the_plain_ones():
     torch.testing.assert_close(m.mm(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.addmm(add, x), add + want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.mv(x[0]), want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(m.addmv(add[0], x[0], alpha=2.0), add[0] + 2 * want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        m.addmv(add[0], x[0], alpha=2.0), add[0] + 2 * want[0], rtol=1e-5, atol=1e-5
+    )
     assert m.nbytes == 96 * 64 * 4
 
 
@@ -92,7 +108,7 @@ def test_forms_are_named():
 def test_int8_logits_are_exact_where_greedy_looks():
     """The lm_head's int8 logits near a row's best are computed again in fp32: the best logit and
     its neighbours within the margin equal fp32's, so greedy picks what fp32 picks."""
-    from engine.model import LONE_EXACT_MARGIN
+    from engine.model.qwen3_moe import LONE_EXACT_MARGIN
 
     model = random_model(dict(TINY, vocab_size=2048), dtype=torch.float32, seed=11)
     model.lone_weights = "int8"
@@ -118,7 +134,9 @@ def test_switching_forms_rebuilds_the_weights():
     for form in ("int8", "fp32", "int8"):
         model.lone_weights = form
         cache.used = 3
-        logits.setdefault(form, []).append(model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache))
+        logits.setdefault(form, []).append(
+            model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
+        )
         assert isinstance(model._lone[0].w_qkv, Int8Matrix if form == "int8" else Fp32Matrix)
     torch.testing.assert_close(logits["int8"][0], logits["int8"][1], rtol=0, atol=0)
     assert not torch.equal(logits["int8"][0], logits["fp32"][0])

@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.prompt_layout import ContextChunk, build_completion_prompt, supported_fim_orders, uses_repo_context
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
+from engine.prompts.layout import (
+    ContextChunk,
+    build_completion_prompt,
+    supported_fim_orders,
+    uses_repo_context,
+)
 
 
 def _tok(checkpoint_factory):
@@ -18,7 +23,10 @@ def _tok(checkpoint_factory):
 
 def test_spm_typing_only_appends(checkpoint_factory):
     tok = _tok(checkpoint_factory)
-    prefix, suffix = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self", "):\n        pass\n"
+    prefix, suffix = (
+        "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self",
+        "):\n        pass\n",
+    )
     before = build_completion_prompt(tok, prefix, suffix, order="spm")
     after = build_completion_prompt(tok, prefix + ",", suffix, order="spm")
     common = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), len(before))
@@ -39,10 +47,14 @@ def test_repo_context_only_for_models_trained_with_it(checkpoint_factory, tmp_pa
     tok = _tok(checkpoint_factory)
     chunk = ContextChunk("util.py", "def helper():\n    return 42\n")
     with_ctx = tok.decode(build_completion_prompt(tok, "a = ", "\n", [chunk], path="main.py"))
-    without = tok.decode(build_completion_prompt(tok, "a = ", "\n", [chunk], path="main.py", repo_context=False))
+    without = tok.decode(
+        build_completion_prompt(tok, "a = ", "\n", [chunk], path="main.py", repo_context=False)
+    )
     assert "util.py" in with_ctx and "main.py" in with_ctx
     assert "util.py" not in without and "<|file_sep|>" not in without
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"repo_context": True, "fim_orders": ["psm", "spm"]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"repo_context": True, "fim_orders": ["psm", "spm"]})
+    )
     assert uses_repo_context(tmp_path) and supported_fim_orders(tmp_path) == ("psm", "spm")
     assert not uses_repo_context(checkpoint_factory())  # no <|repo_name|> token, no declaration
 
@@ -64,20 +76,31 @@ def _kept_lines(tok, ids, prefix):
 
 
 @pytest.mark.parametrize("heal", [False, True])
-def test_a_prefix_over_budget_loses_whole_lines_in_steps_that_stay_put_while_typing(checkpoint_factory, heal):
-    from engine.prompt_layout import PREFIX_CUT_LINES
+def test_a_prefix_over_budget_loses_whole_lines_in_steps_that_stay_put_while_typing(
+    checkpoint_factory, heal
+):
+    from engine.prompts.layout import PREFIX_CUT_LINES
 
     tok = _tok(checkpoint_factory)
     prefix = "".join(f"v{i} = {i}\n" for i in range(800)) + "result = v3"
     suffix = "\nprint(result)\n"
-    prompts = [build_completion_prompt(tok, prefix + typed, suffix, order="spm", max_prompt_tokens=600, heal=heal)
-               for typed in ("", "9", "9 ", "9 +")]
+    prompts = [
+        build_completion_prompt(
+            tok, prefix + typed, suffix, order="spm", max_prompt_tokens=600, heal=heal
+        )
+        for typed in ("", "9", "9 ", "9 +")
+    ]
     assert all(len(ids) <= 600 for ids in prompts)
     dropped = _kept_lines(tok, prompts[0], prefix) if not heal else None
     if dropped is not None:
         assert dropped % PREFIX_CUT_LINES == 0  # short lines: whole steps
-        one_less = "".join(prefix.splitlines(keepends=True)[dropped - PREFIX_CUT_LINES:])
-        assert len(build_completion_prompt(tok, one_less, suffix, order="spm", max_prompt_tokens=10**6)) > 600
+        one_less = "".join(prefix.splitlines(keepends=True)[dropped - PREFIX_CUT_LINES :])
+        assert (
+            len(
+                build_completion_prompt(tok, one_less, suffix, order="spm", max_prompt_tokens=10**6)
+            )
+            > 600
+        )
     assert len(prompts[0]) >= 600 * 3 // 4  # a step leaves at most a quarter of the room unused
     for before, after in zip(prompts, prompts[1:]):  # typing only appends
         common = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), len(before))
@@ -91,7 +114,9 @@ def test_long_lines_are_cut_one_by_one_within_a_step(checkpoint_factory):
     assert 600 * 3 // 4 <= len(ids) <= 600
     assert _kept_lines(tok, ids, prefix) % 16 != 0  # not a whole step: single lines gave room back
     # a prefix whose cursor line alone is too long is cut at an exact count
-    ids = build_completion_prompt(tok, "y = '" + "z" * 5000, "\n", order="spm", max_prompt_tokens=300)
+    ids = build_completion_prompt(
+        tok, "y = '" + "z" * 5000, "\n", order="spm", max_prompt_tokens=300
+    )
     assert len(ids) == 300
 
 
@@ -102,13 +127,16 @@ def _embedded_tokenizer():
     return Tokenizer.from_dir(default_model_dir())
 
 
-@pytest.mark.parametrize("text", [
-    "x = compute(1, 2); " * 5300,  # one line of 100K characters
-    "def f():\n" + "ab" * 100_000 + "\nreturn 1\n",  # a 200K-character word between short lines
-    "a" * 200_000,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x = compute(1, 2); " * 5300,  # one line of 100K characters
+        "def f():\n" + "ab" * 100_000 + "\nreturn 1\n",  # a 200K-character word between short lines
+        "a" * 200_000,
+    ],
+)
 def test_a_plain_prompt_with_a_long_line_gets_the_ids_of_the_whole_text(text):
-    from engine.prompt_layout import PIECE_CHARS, plain_prompt_ids
+    from engine.prompts.layout import PIECE_CHARS, plain_prompt_ids
 
     tok = _embedded_tokenizer()
     assert max(map(len, text.split("\n"))) > PIECE_CHARS  # longer than a piece: never cut inside
@@ -121,8 +149,8 @@ def test_an_8_mb_prefix_of_short_lines_costs_memory_by_the_budget_not_by_its_lin
     build, in a fresh process, stays small (splitting 8 MB of newlines took some 370 MB)."""
     script = f"""
 from engine.models import default_model_dir
-from engine.prompt_layout import layout_completion_prompt
-from engine.tokenizer import Tokenizer
+from engine.prompts.layout import layout_completion_prompt
+from engine.loading.tokenizer import Tokenizer
 
 def peak_mb():
     status = open("/proc/self/status").read()
@@ -135,8 +163,14 @@ before = peak_mb()
 ids, forced = layout_completion_prompt(tok, prefix, "\\n", max_prompt_tokens=900, heal=True)
 print(len(ids), peak_mb() - before)
 """
-    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], check=True,
-                         capture_output=True, text=True, timeout=120).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.split()
     tokens, grew_mb = int(out[0]), float(out[1])
     print(f"\n8 MB prefix of {line!r} lines: {tokens} tokens, peak RSS +{grew_mb:.0f} MB")
     assert 600 < tokens <= 900
@@ -147,10 +181,12 @@ def spm_prompt(tok, prefix):
     return build_completion_prompt(tok, prefix, "\n", order="spm", max_prompt_tokens=600)
 
 
-def test_the_prefix_cut_is_the_same_whether_or_not_far_lines_are_dropped_by_size(checkpoint_factory):
+def test_the_prefix_cut_is_the_same_whether_or_not_far_lines_are_dropped_by_size(
+    checkpoint_factory,
+):
     """Dropping the out-of-reach head by its size keeps the line count: the cut steps stay where
     they were, so the prompt start does not move while the user types."""
-    from engine.prompt_layout import PREFIX_CUT_LINES
+    from engine.prompts.layout import PREFIX_CUT_LINES
 
     tok = _tok(checkpoint_factory)
     far = "".join(f"v{i} = {i}\n" for i in range(20_000))  # most of it cannot fit by its size
@@ -162,9 +198,11 @@ def test_the_prefix_cut_is_the_same_whether_or_not_far_lines_are_dropped_by_size
 
 
 @pytest.mark.parametrize("heal", [False, True])
-def test_the_forced_text_is_the_healed_text_of_the_prefix_when_lines_are_cut(checkpoint_factory, heal):
-    from engine.fim import healed_text
-    from engine.prompt_layout import layout_completion_prompt
+def test_the_forced_text_is_the_healed_text_of_the_prefix_when_lines_are_cut(
+    checkpoint_factory, heal
+):
+    from engine.prompts.fim import healed_text
+    from engine.prompts.layout import layout_completion_prompt
 
     tok = _tok(checkpoint_factory)
     for cursor in ("    ", "    return a", "x = 1\n", "print(i"):
@@ -173,7 +211,9 @@ def test_the_forced_text_is_the_healed_text_of_the_prefix_when_lines_are_cut(che
         assert len(ids) <= 300
         assert forced == (healed_text(tok, prefix) if heal else "")
     # With no room for the prefix at all, nothing of it is in the prompt, nor written again.
-    ids, forced = layout_completion_prompt(tok, "x = 1\nprint(i", "y" * 5000, max_prompt_tokens=3, heal=True)
+    ids, forced = layout_completion_prompt(
+        tok, "x = 1\nprint(i", "y" * 5000, max_prompt_tokens=3, heal=True
+    )
     assert forced == "" and len(ids) == 3  # the three FIM markers
 
 
@@ -205,24 +245,38 @@ def _stripping_normalizer():
 
 def _nfkc_normalizer():
     """Long tokens of "A", and mathematical bold A (4 bytes) that NFKC makes "A" (1 byte)."""
-    from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        Tokenizer as Backend,
+    )
+    from tokenizers import (
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + 8, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + 8,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(["A" * 64] * 50, trainer)
     backend.normalizer = normalizers.NFKC()
     text = "\U0001d400" * 6400
     return backend, text, len(_with(backend).encode_prompt(text))
 
 
-@pytest.mark.parametrize("make", [_whitespace_taking_token, _stripping_normalizer, _nfkc_normalizer])
+@pytest.mark.parametrize(
+    "make", [_whitespace_taking_token, _stripping_normalizer, _nfkc_normalizer]
+)
 def test_a_tokenizer_that_shrinks_text_without_bound_is_not_refused_by_size(make):
     """Where a token may stand for more bytes than any size bound says (a token that takes in
     whitespace; Strip; NFKC, by 4x), the text is tokenized, not refused: it fits its room."""
-    from engine.prompt_layout import UNBOUNDED_TEXT_BYTES, max_token_bytes, plain_prompt_ids
+    from engine.prompts.layout import UNBOUNDED_TEXT_BYTES, max_token_bytes, plain_prompt_ids
 
     backend, text, room = make()
     tok = _with(backend)
@@ -235,7 +289,7 @@ def test_a_tokenizer_that_shrinks_text_without_bound_is_not_refused_by_size(make
 
 
 def test_a_tokenizer_without_a_size_bound_still_lays_out_huge_prefixes_in_bounded_time():
-    from engine.prompt_layout import layout_completion_prompt
+    from engine.prompts.layout import layout_completion_prompt
 
     tok = _with(_whitespace_taking_token()[0])
     prefix = "".join(f"value_{i} = compute({i})\n" for i in range(300_000)) + "total = "
@@ -252,12 +306,16 @@ def test_the_size_check_stays_for_tokenizers_with_a_bound(checkpoint_factory, no
     an 8 MB prompt is refused by its size at once."""
     from tokenizers import normalizers
 
-    from engine.prompt_layout import max_token_bytes, plain_prompt_ids
+    from engine.prompts.layout import max_token_bytes, plain_prompt_ids
 
     backend = _tok(checkpoint_factory).backend
     spaces = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.normalizer = {None: None, "NFC": normalizers.NFC(), "NFD": normalizers.NFD(),
-                          "Prepend+Replace": spaces}[normalizer]
+    backend.normalizer = {
+        None: None,
+        "NFC": normalizers.NFC(),
+        "NFD": normalizers.NFD(),
+        "Prepend+Replace": spaces,
+    }[normalizer]
     tok = _with(backend)
     for tokenizer in (tok, _embedded_tokenizer()):
         assert max_token_bytes(tokenizer) is not None

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine import protocol as P
-from engine.loader import load_model
-from engine.scheduler import Engine, Request
-from engine.tokenizer import Tokenizer
+from engine.core.scheduler import Engine, Request
+from engine.ipc import protocol as P
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,10 @@ def test_zero_budget_and_tiny_temperature(engine):
     assert events[-1].kind == "done" and events[-1].usage["completion_tokens"] == 0
     assert not [e for e in events if e.kind == "delta"]
     greedy = run(engine, Request([5, 6, 7], max_tokens=5, stop_at_eos=False))
-    tiny = run(engine, Request([5, 6, 7], max_tokens=5, temperature=1e-50, stop_at_eos=False, seed=1))
+    tiny = run(
+        engine, Request([5, 6, 7], max_tokens=5, temperature=1e-50, stop_at_eos=False, seed=1)
+    )
     assert tiny[-1].kind == "done"
-    assert "".join(e.text for e in tiny if e.kind == "delta") == "".join(e.text for e in greedy if e.kind == "delta")
+    assert "".join(e.text for e in tiny if e.kind == "delta") == "".join(
+        e.text for e in greedy if e.kind == "delta"
+    )

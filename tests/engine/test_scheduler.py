@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from engine.generate import complete
-from engine.kv_pool import KVPool, PagedBatch
-from engine.loader import load_model
-from engine.scheduler import Engine, Request
-from engine.sequence import BlockTable
-from engine.tokenizer import Tokenizer
+from engine.core.generate import complete
+from engine.core.scheduler import Engine, Request
+from engine.kv.pool import PagedBatch
+from engine.kv.sequence import BlockTable
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 
 CODE = (
     "import os\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n"
@@ -65,15 +65,23 @@ def test_cache_hits_give_cold_logits(tiny, monkeypatch):
     assert other[21] != prompt[21]
     _, partial = run(engine, Request(other, max_tokens=1, return_logits=True))
     assert partial.usage["cached_tokens"] == 21
-    _, partial_cold = run(Engine(model, tok, num_blocks=64, block_size=8), Request(other, max_tokens=1, return_logits=True))
+    _, partial_cold = run(
+        Engine(model, tok, num_blocks=64, block_size=8),
+        Request(other, max_tokens=1, return_logits=True),
+    )
     assert max_rel(partial.logits, partial_cold.logits) < 1e-5
 
 
 def test_paged_logits_match_contiguous_cache(tiny):
     model, tok = tiny
     prompt = tok.encode(CODE)
-    _, paged = run(Engine(model, tok, num_blocks=64, block_size=8), Request(prompt, max_tokens=1, return_logits=True))
-    contiguous = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], model.new_cache(1))[0, -1]
+    _, paged = run(
+        Engine(model, tok, num_blocks=64, block_size=8),
+        Request(prompt, max_tokens=1, return_logits=True),
+    )
+    contiguous = model.forward(
+        torch.tensor([prompt]), torch.arange(len(prompt))[None], model.new_cache(1)
+    )[0, -1]
     assert max_rel(paged.logits, contiguous) < 1e-5
 
 
@@ -101,7 +109,9 @@ def test_fork_copies_the_shared_partial_block(tiny):
     def forward(tbl, tokens, start):
         tbl.prepare_write(start, start + len(tokens))
         pos = torch.arange(start, start + len(tokens))[None]
-        return model.forward(torch.tensor([tokens]), pos, PagedBatch(engine.pool, [tbl.blocks], "cpu"))[0, -1]
+        return model.forward(
+            torch.tensor([tokens]), pos, PagedBatch(engine.pool, [tbl.blocks], "cpu")
+        )[0, -1]
 
     forward(table, prompt, 0)
     fork = table.fork()
@@ -113,7 +123,9 @@ def test_fork_copies_the_shared_partial_block(tiny):
     assert table.blocks[:2] == fork.blocks[:2]
     for tail, got in ((a_tail, logits_a), (b_tail, logits_b)):
         seq = prompt + tail
-        cold = model.forward(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1))[0, -1]
+        cold = model.forward(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1))[
+            0, -1
+        ]
         assert max_rel(got, cold) < 1e-5
     table.free()
     fork.free()
@@ -124,7 +136,10 @@ def test_fork_copies_the_shared_partial_block(tiny):
 def test_fp8_cache_is_close_and_smaller(tiny):
     model, tok = tiny
     prompt = tok.encode(CODE)
-    _, exact = run(Engine(model, tok, num_blocks=64, block_size=8), Request(prompt, max_tokens=1, return_logits=True))
+    _, exact = run(
+        Engine(model, tok, num_blocks=64, block_size=8),
+        Request(prompt, max_tokens=1, return_logits=True),
+    )
     fp8 = Engine(model, tok, num_blocks=64, block_size=8, kv_fp8=True)
     _, approx = run(fp8, Request(prompt, max_tokens=1, return_logits=True))
     assert max_rel(approx.logits, exact.logits) < 0.1
@@ -135,7 +150,10 @@ def test_fp8_cache_is_close_and_smaller(tiny):
 
 def test_batched_decode_equals_single_generation(tiny):
     model, tok = tiny
-    prompts = [tok.encode(p) for p in ("def add(a, b):", "class Point:\n", "for i in range(", "import os\n" * 3)]
+    prompts = [
+        tok.encode(p)
+        for p in ("def add(a, b):", "class Point:\n", "for i in range(", "import os\n" * 3)
+    ]
     engine = Engine(model, tok, num_blocks=64, block_size=8)
     results = {}
     for i, p in enumerate(prompts):
@@ -170,8 +188,12 @@ def test_full_pool_queues_then_rejects_clearly(tiny):
     model, tok = tiny
     engine = Engine(model, tok, num_blocks=4, block_size=8)
     first, second = [], []
-    engine.submit(Request(tok.encode("def add(a, b):"), max_tokens=12, stop_at_eos=False), first.append)
-    engine.submit(Request(tok.encode("class Point:"), max_tokens=12, stop_at_eos=False), second.append)
+    engine.submit(
+        Request(tok.encode("def add(a, b):"), max_tokens=12, stop_at_eos=False), first.append
+    )
+    engine.submit(
+        Request(tok.encode("class Point:"), max_tokens=12, stop_at_eos=False), second.append
+    )
     engine.step()
     assert engine.stats()["waiting"] == 1  # the second waits for blocks, it is not rejected
     engine.run_until_idle()
@@ -188,7 +210,9 @@ def test_newer_request_of_a_client_supersedes_and_completions_preempt_warms(tiny
     engine.submit(Request(tok.encode(CODE), warm_only=True, client="a", id="warm-a"), log.append)
     engine.submit(Request(tok.encode(CODE), warm_only=True, client="b", id="warm-b"), log.append)
     engine.step()
-    engine.submit(Request(tok.encode(CODE[:40]), max_tokens=4, client="a", id="complete-a"), log.append)
+    engine.submit(
+        Request(tok.encode(CODE[:40]), max_tokens=4, client="a", id="complete-a"), log.append
+    )
     engine.run_until_idle()
     done = [(e.request_id, e.finish_reason) for e in log if e.kind == "done"]
     assert ("warm-a", "superseded") in done
@@ -237,7 +261,7 @@ def test_prefix_cache_can_be_switched_off(tiny):
 
 
 def test_slot_runs_merge_consecutive_blocks():
-    from engine.kv_pool import slot_runs
+    from engine.kv.pool import slot_runs
 
     assert slot_runs([3, 4, 5], 4, 10) == [(12, 22)]
     assert slot_runs([3, 7, 8, 2], 4, 16) == [(12, 16), (28, 36), (8, 12)]
@@ -252,9 +276,13 @@ def test_partial_block_copy_is_reserved_at_admission(tiny):
     warm = [11, 12, 13, 14, 15, 16]  # one full block and a partly filled one, cached
     run(engine, Request(warm, warm_only=True))
     events = {}
-    engine.submit(Request(warm + [17], max_tokens=1, stop_at_eos=False), lambda e: events.setdefault("b", e))
-    engine.submit(Request(list(range(30, 45)), max_tokens=1, stop_at_eos=False),
-                  lambda e: events.setdefault("c", []).append(e))
+    engine.submit(
+        Request(warm + [17], max_tokens=1, stop_at_eos=False), lambda e: events.setdefault("b", e)
+    )
+    engine.submit(
+        Request(list(range(30, 45)), max_tokens=1, stop_at_eos=False),
+        lambda e: events.setdefault("c", []).append(e),
+    )
     engine.run_until_idle()
     assert events["b"].kind == "done", events["b"].error
     assert events["c"][-1].kind == "done"
@@ -269,7 +297,9 @@ def test_request_as_large_as_the_pool_recomputes_a_partial_hit(tiny):
     engine = Engine(model, tok, num_blocks=3, block_size=4)
     warm = [11, 12, 13, 14, 15, 16]
     run(engine, Request(warm, warm_only=True))
-    _, done = run(engine, Request(warm + [17], max_tokens=5, stop_at_eos=False))  # 12 tokens: the whole pool
+    _, done = run(
+        engine, Request(warm + [17], max_tokens=5, stop_at_eos=False)
+    )  # 12 tokens: the whole pool
     assert done.kind == "done" and done.usage["completion_tokens"] == 5
     assert done.usage["cached_tokens"] == 4  # the whole block only
     engine.allocator.check_invariants()
@@ -308,10 +338,13 @@ def test_a_completion_preempts_warm_ups_for_blocks_its_own_owners_too(tiny, warm
         if event.kind != "delta":
             done[event.request_id] = event
 
-    engine.submit(Request(tok.encode(CODE), warm_only=True, owner=warm_owner, id="warm"), record)  # 12 blocks
+    engine.submit(
+        Request(tok.encode(CODE), warm_only=True, owner=warm_owner, id="warm"), record
+    )  # 12 blocks
     engine.step()
-    completion = Request(tok.encode(CODE.upper())[:40], max_tokens=16, stop_at_eos=False, owner="lsp",
-                         id="complete")  # 7 blocks: more than are free
+    completion = Request(
+        tok.encode(CODE.upper())[:40], max_tokens=16, stop_at_eos=False, owner="lsp", id="complete"
+    )  # 7 blocks: more than are free
     engine.submit(completion, record)
     engine.step()
     assert done["warm"].finish_reason == "preempted"
@@ -326,6 +359,7 @@ def test_requests_without_an_owner_are_prefilled_first_come_first_served(tiny):
     model, tok = tiny
     engine = Engine(model, tok, num_blocks=64, block_size=8, prefill_chunk=8)
     texts = {"first": CODE, "second": CODE.upper(), "third": CODE.swapcase()[::-1]}
+
     def submit(name):
         request = Request(tok.encode(texts[name]), max_tokens=20, stop_at_eos=False, id=name)
         engine.submit(request, lambda e: None)

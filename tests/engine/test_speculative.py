@@ -3,16 +3,17 @@ the drafts, and the engine's output with speculation on against plain greedy dec
 
 import pytest
 import torch
+from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
+from checkpoints import lone_path_model
 
-from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE, lone_path_model
-from engine.fim import build_fim_prompt
-from engine.kv_pool import KVPool, PagedBatch
-from engine.loader import load_model
+from engine.core.scheduler import Engine, Request
+from engine.decoding.prompt_lookup import draft, writable_prefix
+from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
+from engine.model.random_model import TINY, random_model
 from engine.models import default_model_dir
-from engine.prompt_lookup import draft, writable_prefix
-from engine.random_model import TINY, random_model
-from engine.scheduler import Engine, Request
-from engine.tokenizer import Tokenizer
+from engine.prompts.fim import build_fim_prompt
 
 REPETITIVE = "self.x = x\nself.y = y\nself.z = z\n" * 6 + "self.x = x\nself."
 CODE = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n    return "
@@ -23,6 +24,7 @@ def _rel(a, b):
 
 
 # -- the lean forward of a few rows ------------------------------------------------------------------
+
 
 def _row_diffs(lean, general):
     return sorted(_rel(a, b) for a, b in zip(lean, general))
@@ -37,13 +39,23 @@ def test_forward_tail_matches_the_general_path(variant, form):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (1, 20), generator=g).tolist()[0]
     for prompt, rows in ((7, 2), (7, 9), (3, 5), (1, 9)):
-        pools = [KVPool(c.num_layers, 6, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu") for _ in range(2)]
+        pools = [
+            KVPool(c.num_layers, 6, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+            for _ in range(2)
+        ]
         for pool in pools:
-            model.forward(torch.tensor([ids[:prompt]]), torch.arange(prompt)[None], PagedBatch(pool, [table], "cpu"))
+            model.forward(
+                torch.tensor([ids[:prompt]]),
+                torch.arange(prompt)[None],
+                PagedBatch(pool, [table], "cpu"),
+            )
         new = ids[prompt : prompt + rows]
         lean = model.forward_tail(new, prompt, PagedBatch(pools[0], [table], "cpu"))
-        general = model.forward(torch.tensor([new]), torch.arange(prompt, prompt + rows)[None],
-                                PagedBatch(pools[1], [table], "cpu"))[0]
+        general = model.forward(
+            torch.tensor([new]),
+            torch.arange(prompt, prompt + rows)[None],
+            PagedBatch(pools[1], [table], "cpu"),
+        )[0]
         assert lean.shape == general.shape == (rows, c.vocab_size)
         diffs = _row_diffs(lean, general)
         if form == "int8":
@@ -61,8 +73,12 @@ def test_forward_tail_declines_where_it_does_not_apply():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=6)
     c = model.config
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    assert model.forward_tail(list(range(10)), 0, PagedBatch(pool, [[0, 1, 2]], "cpu")) is None  # too many rows
-    assert model.forward_tail([1, 2], 0, PagedBatch(pool, [[0], [1]], "cpu")) is None  # two sequences
+    assert (
+        model.forward_tail(list(range(10)), 0, PagedBatch(pool, [[0, 1, 2]], "cpu")) is None
+    )  # too many rows
+    assert (
+        model.forward_tail([1, 2], 0, PagedBatch(pool, [[0], [1]], "cpu")) is None
+    )  # two sequences
     fp8 = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
     assert model.forward_tail([1, 2], 0, PagedBatch(fp8, [[0]], "cpu")) is None
     model.lone_decode = False
@@ -77,18 +93,29 @@ def test_forward_tail_on_the_shipped_model(form):
     c = model.config
     ids = tok.encode(CODE)
     table = [3, 0, 7, 1, 2]
-    pools = [KVPool(c.num_layers, 8, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu") for _ in range(2)]
+    pools = [
+        KVPool(c.num_layers, 8, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        for _ in range(2)
+    ]
     start = len(ids) - 6
     for pool in pools:
-        model.forward(torch.tensor([ids[:start]]), torch.arange(start)[None], PagedBatch(pool, [table], "cpu"))
+        model.forward(
+            torch.tensor([ids[:start]]), torch.arange(start)[None], PagedBatch(pool, [table], "cpu")
+        )
     lean = model.forward_tail(ids[start:], start, PagedBatch(pools[0], [table], "cpu"))
-    general = model.forward(torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None],
-                            PagedBatch(pools[1], [table], "cpu"))[0]
-    assert max(_row_diffs(lean, general)) < TOLERANCE[form]  # every row: the shipped router is not near-tied here
+    general = model.forward(
+        torch.tensor([ids[start:]]),
+        torch.arange(start, len(ids))[None],
+        PagedBatch(pools[1], [table], "cpu"),
+    )[0]
+    assert (
+        max(_row_diffs(lean, general)) < TOLERANCE[form]
+    )  # every row: the shipped router is not near-tied here
     assert torch.equal(lean.argmax(-1), general.argmax(-1))
 
 
 # -- drafts -----------------------------------------------------------------------------------------
+
 
 def test_draft_copies_what_followed_the_most_recent_match():
     seq = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
@@ -103,7 +130,10 @@ def test_draft_copies_what_followed_the_most_recent_match():
 
 def test_a_draft_stops_where_decoding_could_not_follow():
     never, ending = {2, 3}, {0}
-    assert writable_prefix([7, 8, 2, 9], never, ending) == [7, 8]  # a control token is never written
+    assert writable_prefix([7, 8, 2, 9], never, ending) == [
+        7,
+        8,
+    ]  # a control token is never written
     assert writable_prefix([7, 0, 9], never, ending) == [7, 0]  # an ending token ends the output
     assert writable_prefix([7, 0, 9], never, ()) == [7, 0, 9]  # unless the request ignores EOS
     assert writable_prefix([3, 7], never, ending) == []
@@ -111,6 +141,7 @@ def test_a_draft_stops_where_decoding_could_not_follow():
 
 
 # -- the engine: speculation on against off -----------------------------------------------------------
+
 
 # These compare texts token for token, so the lean path runs in fp32. With int8 weights a verify
 # forward rounds differently from a one-row step (bf16 results), and which near-tie flips with
@@ -142,7 +173,10 @@ def generated_tokens(engine, request):
     """Text, done event, and the tokens (prompt and output) the request ended with."""
     seen = {}
     release = engine._release
-    engine._release = lambda a: (seen.setdefault("tokens", (list(a.tokens), a.computed)), release(a))[1]
+    engine._release = lambda a: (
+        seen.setdefault("tokens", (list(a.tokens), a.computed)),
+        release(a),
+    )[1]
     try:
         text, done = run(engine, request)
     finally:
@@ -155,7 +189,9 @@ def both(model, tok, request_args, **engine_args):
     the speculative engine's stats."""
     out = []
     for speculative in (False, True):
-        engine = Engine(model, tok, num_blocks=64, block_size=8, speculative=speculative, **engine_args)
+        engine = Engine(
+            model, tok, num_blocks=64, block_size=8, speculative=speculative, **engine_args
+        )
         out.append(generated_tokens(engine, Request(**request_args)))
     return out[0], out[1], engine.stats()
 
@@ -172,7 +208,9 @@ def assert_same(plain, spec):
 @pytest.mark.parametrize("text", [REPETITIVE, CODE, "import os\nimport sys\nimport os.path\n"])
 def test_speculation_gives_the_plain_greedy_tokens(request, model_name, text):
     model, tok = request.getfixturevalue(model_name)
-    plain, spec, stats = both(model, tok, dict(prompt_ids=tok.encode(text), max_tokens=40, stop_at_eos=False))
+    plain, spec, stats = both(
+        model, tok, dict(prompt_ids=tok.encode(text), max_tokens=40, stop_at_eos=False)
+    )
     assert_same(plain, spec)
     assert spec[1].usage["completion_tokens"] == 40
     if text == REPETITIVE:
@@ -181,9 +219,13 @@ def test_speculation_gives_the_plain_greedy_tokens(request, model_name, text):
 
 def test_drafts_are_accepted_and_rejected(shipped):
     model, tok = shipped
-    _, _, stats = both(model, tok, dict(prompt_ids=tok.encode(REPETITIVE), max_tokens=40, stop_at_eos=False))
+    _, _, stats = both(
+        model, tok, dict(prompt_ids=tok.encode(REPETITIVE), max_tokens=40, stop_at_eos=False)
+    )
     assert stats["draft_accepted"] >= 20  # the repeated lines come from drafts
-    _, _, stats = both(model, tok, dict(prompt_ids=tok.encode(CODE), max_tokens=40, stop_at_eos=False))
+    _, _, stats = both(
+        model, tok, dict(prompt_ids=tok.encode(CODE), max_tokens=40, stop_at_eos=False)
+    )
     assert stats["draft_accepted"] < stats["draft_tokens"]
 
 
@@ -191,9 +233,13 @@ def test_max_tokens_reached_anywhere_in_a_draft(shipped):
     model, tok = shipped
     prompt = tok.encode(REPETITIVE)
     for max_tokens in range(1, 20):
-        plain, spec, stats = both(model, tok, dict(prompt_ids=prompt, max_tokens=max_tokens, stop_at_eos=False))
+        plain, spec, stats = both(
+            model, tok, dict(prompt_ids=prompt, max_tokens=max_tokens, stop_at_eos=False)
+        )
         assert_same(plain, spec)
-        assert spec[1].finish_reason == "length" and spec[1].usage["completion_tokens"] == max_tokens
+        assert (
+            spec[1].finish_reason == "length" and spec[1].usage["completion_tokens"] == max_tokens
+        )
         assert len(spec[2][0]) == len(prompt) + max_tokens  # nothing past the end was taken
     assert stats["draft_accepted"] > 0
 
@@ -201,11 +247,15 @@ def test_max_tokens_reached_anywhere_in_a_draft(shipped):
 def test_stop_strings_inside_an_accepted_draft(shipped):
     model, tok = shipped
     prompt = tok.encode(REPETITIVE)
-    full, _ = run(Engine(model, tok, speculative=False), Request(prompt, max_tokens=30, stop_at_eos=False))
+    full, _ = run(
+        Engine(model, tok, speculative=False), Request(prompt, max_tokens=30, stop_at_eos=False)
+    )
     assert len(full) > 30
     stops = {full[i : i + 3] for i in range(1, 30, 2)} | {"= ", "\n", full[-2:]}
     for stop in stops:
-        plain, spec, _ = both(model, tok, dict(prompt_ids=prompt, max_tokens=30, stop=(stop,), stop_at_eos=False))
+        plain, spec, _ = both(
+            model, tok, dict(prompt_ids=prompt, max_tokens=30, stop=(stop,), stop_at_eos=False)
+        )
         assert_same(plain, spec)
         assert stop not in spec[0] and spec[1].finish_reason == "stop"
 
@@ -213,15 +263,18 @@ def test_stop_strings_inside_an_accepted_draft(shipped):
 def test_eos_inside_a_draft(shipped, monkeypatch):
     model, tok = shipped
     prompt = tok.encode(REPETITIVE)
-    _, _, (tokens, _) = generated_tokens(Engine(model, tok, speculative=False),
-                                         Request(prompt, max_tokens=20, stop_at_eos=False))
-    output, eos_ids = tokens[len(prompt):], tuple(tok.eos_ids)
+    _, _, (tokens, _) = generated_tokens(
+        Engine(model, tok, speculative=False), Request(prompt, max_tokens=20, stop_at_eos=False)
+    )
+    output, eos_ids = tokens[len(prompt) :], tuple(tok.eos_ids)
     for k in (3, 6, 9, 12):
         # A token the completion writes counts as an end of text: it ends wherever it lands.
         monkeypatch.setattr(tok, "eos_ids", eos_ids + (output[k],))
         plain, spec, _ = both(model, tok, dict(prompt_ids=prompt, max_tokens=20))
         assert_same(plain, spec)
-        assert spec[1].finish_reason == "eos" and spec[1].usage["completion_tokens"] == output.index(output[k])
+        assert spec[1].finish_reason == "eos" and spec[1].usage[
+            "completion_tokens"
+        ] == output.index(output[k])
 
 
 def test_healing_then_speculation(shipped):
@@ -237,12 +290,16 @@ def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped, monkeypatch)
     # The cached K/V are checked against a fresh prefill's to fp32 rounding: the lean path in fp32.
     monkeypatch.setattr(model, "lone_weights", "fp32")
     prompt = tok.encode(REPETITIVE)
-    cold, _ = run(Engine(model, tok, speculative=False, prefix_cache=False),
-                  Request(prompt, max_tokens=30, stop_at_eos=False))
+    cold, _ = run(
+        Engine(model, tok, speculative=False, prefix_cache=False),
+        Request(prompt, max_tokens=30, stop_at_eos=False),
+    )
 
     engine = Engine(model, tok, num_blocks=64, block_size=8, speculative=True)
     run(engine, Request(prompt[:-3], warm_only=True))  # a partly filled last block
-    text, done, (tokens, computed) = generated_tokens(engine, Request(prompt, max_tokens=30, stop_at_eos=False))
+    text, done, (tokens, computed) = generated_tokens(
+        engine, Request(prompt, max_tokens=30, stop_at_eos=False)
+    )
     assert done.usage["cached_tokens"] == len(prompt) - 3 and (len(prompt) - 3) % 8
     assert text == cold
     assert engine.stats()["draft_accepted"] > 0
@@ -250,10 +307,14 @@ def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped, monkeypatch)
 
     # A follow-up reuses the finished request's cached K/V (the generated ones too), then
     # diverges inside a block whose later slots held K/V of rejected draft tokens.
-    follow = tokens[:computed - 2] + tok.encode(" q")
+    follow = tokens[: computed - 2] + tok.encode(" q")
     _, hit = run(engine, Request(follow, max_tokens=1, return_logits=True))
-    assert hit.usage["cached_tokens"] >= computed - 2 - 8 and hit.usage["cached_tokens"] > len(prompt)
-    _, fresh = run(Engine(model, tok, prefix_cache=False), Request(follow, max_tokens=1, return_logits=True))
+    assert hit.usage["cached_tokens"] >= computed - 2 - 8 and hit.usage["cached_tokens"] > len(
+        prompt
+    )
+    _, fresh = run(
+        Engine(model, tok, prefix_cache=False), Request(follow, max_tokens=1, return_logits=True)
+    )
     assert _rel(hit.logits, fresh.logits) < 1e-5
 
 
@@ -270,6 +331,8 @@ def test_an_spm_prompt_never_drafts_its_control_tokens(shipped):
         spec = generated_tokens(engine, Request(prompt, max_tokens=24, stop_at_eos=False))
     finally:
         del model.forward_tail
-    plain = generated_tokens(Engine(model, tok, speculative=False), Request(prompt, max_tokens=24, stop_at_eos=False))
+    plain = generated_tokens(
+        Engine(model, tok, speculative=False), Request(prompt, max_tokens=24, stop_at_eos=False)
+    )
     assert_same(plain, spec)
     assert drafted and not any(set(d) & set(tok.unsampled_ids) for d in drafted)

@@ -1,6 +1,6 @@
 """Token files of `wd-engine serve`: the one kept in the runtime dir is created owner-only with
 O_EXCL and never written through a link; a file the user names must be owner-only (as ssh wants
-of a private key). And the daemon's log, opened through engine.paths: 0600 in a 0700 dir."""
+of a private key). And the daemon's log, opened through engine.ipc.paths: 0600 in a 0700 dir."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.token_files import TokenFileError, read_token_file, runtime_token
+from engine.ipc.token_files import TokenFileError, read_token_file, runtime_token
 
 
 @pytest.fixture
@@ -30,8 +30,11 @@ def mode(path: Path) -> int:
 def test_a_new_token_file_is_0600_and_created_exclusively(run_dir, monkeypatch, umask):
     opened = []
     real_open = os.open
-    monkeypatch.setattr(os, "open", lambda path, flags, *a: opened.append((str(path), flags)) or
-                        real_open(path, flags, *a))
+    monkeypatch.setattr(
+        os,
+        "open",
+        lambda path, flags, *a: opened.append((str(path), flags)) or real_open(path, flags, *a),
+    )
     path = run_dir / "http.token"
     old = os.umask(umask)
     try:
@@ -53,7 +56,9 @@ def test_an_earlier_runs_private_token_is_reused(run_dir):
 
 
 @pytest.mark.parametrize("dangling", [False, True])
-def test_a_symlink_at_the_token_path_is_refused_and_its_target_untouched(tmp_path, run_dir, dangling):
+def test_a_symlink_at_the_token_path_is_refused_and_its_target_untouched(
+    tmp_path, run_dir, dangling
+):
     target = tmp_path / "precious"
     if not dangling:
         target.write_text("do not touch")
@@ -156,9 +161,22 @@ def test_serve_refuses_a_symlinked_token_path_before_loading_a_model(tmp_path):
     (run / "http.token").symlink_to(target)
     env = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp_path / "state"))
     env.pop("WD_ENGINE_HTTP_TOKEN", None)
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--http-port", "0",
-                           "--model", str(tmp_path / "no-such-model")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "serve",
+            "--http-port",
+            "0",
+            "--model",
+            str(tmp_path / "no-such-model"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
     assert "symbolic link" in done.stderr and str(run / "http.token") in done.stderr
     assert "cannot load model" not in done.stderr and target.read_text() == "keep"
@@ -176,8 +194,13 @@ def test_serve_keeps_its_tokens_in_the_runtime_dir_across_restarts(tmp_path, mon
     monkeypatch.setenv("WD_ENGINE_DIR", str(run))
     for name in ("WD_ENGINE_TOKEN", "WD_ENGINE_HTTP_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    args = argparse.Namespace(token_file=None, tcp_host="127.0.0.1", http_token_file=None,
-                              http_host="127.0.0.1", http_port=0)
+    args = argparse.Namespace(
+        token_file=None,
+        tcp_host="127.0.0.1",
+        http_token_file=None,
+        http_host="127.0.0.1",
+        http_port=0,
+    )
     log = logging.getLogger("test")
     tcp, http = _tcp_token(args, log), _http_options(args, log).token
     assert tcp != http
@@ -192,8 +215,15 @@ def test_serve_refuses_a_symlink_at_its_log_path(tmp_path):
     target = tmp_path / "target"
     target.write_text("keep")
     (logs / "engine.log").symlink_to(target)
-    env = dict(os.environ, WD_ENGINE_DIR=str(tmp_path / "run"), XDG_STATE_HOME=str(tmp_path / "state"))
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "none")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ, WD_ENGINE_DIR=str(tmp_path / "run"), XDG_STATE_HOME=str(tmp_path / "state")
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "none")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "cannot log" in done.stderr and "symbolic link" in done.stderr
     assert target.read_text() == "keep"

@@ -6,14 +6,14 @@ import random
 import pytest
 import torch
 
-from engine.fim import build_fim_prompt, healed_text
-from engine.generate import complete
-from engine.loader import load_model
+from engine.core.generate import complete
+from engine.core.output import OutputAssembler
+from engine.core.scheduler import Engine, Request
+from engine.decoding.token_healing import Forcing, token_healer
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
 from engine.models import default_model_dir
-from engine.output import OutputAssembler
-from engine.scheduler import Engine, Request
-from engine.token_healing import Forcing, token_healer
-from engine.tokenizer import Tokenizer
+from engine.prompts.fim import build_fim_prompt, healed_text
 
 STACK = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        "
 STACK_SUFFIX = "\n\n    def pop(self):\n        return self.items.pop()\n"
@@ -29,8 +29,16 @@ def test_split_keeps_the_text_and_heals_indentation_or_the_last_token(shipped):
     _, tok = shipped
     healer = token_healer(tok)
     assert healer.supported
-    cases = {STACK: "        ", STACK + "self.items.app": None, "x = foo(": None, "é": None,
-             "a\n": "", "    ": "    ", "": "", "def f():\n        \n": ""}
+    cases = {
+        STACK: "        ",
+        STACK + "self.items.app": None,
+        "x = foo(": None,
+        "é": None,
+        "a\n": "",
+        "    ": "    ",
+        "": "",
+        "def f():\n        \n": "",
+    }
     for prefix, expected in cases.items():
         ids, forced = healer.split(prefix)
         assert tok.decode(ids) + forced == prefix
@@ -57,7 +65,9 @@ def test_forcing_only_lets_through_tokens_that_write_the_text(shipped):
             logits = torch.randn(tok.vocab_size, generator=gen)
             token = int(forcing.mask(logits).argmax())
             piece = healer.token_bytes[token]
-            assert piece and (piece.startswith(forcing.remaining) or forcing.remaining.startswith(piece))
+            assert piece and (
+                piece.startswith(forcing.remaining) or forcing.remaining.startswith(piece)
+            )
             written += piece
             forcing.advance(token)
         assert not forcing.active and written.startswith(text.encode())
@@ -73,7 +83,9 @@ def test_healed_indentation_never_grows_deeper(shipped):
     right after the indentation gets through, and after that token decoding is free again."""
     _, tok = shipped
     healer = token_healer(tok)
-    ids_of = {healer.token_bytes[i]: i for i in range(len(healer.token_bytes)) if healer.token_bytes[i]}
+    ids_of = {
+        healer.token_bytes[i]: i for i in range(len(healer.token_bytes)) if healer.token_bytes[i]
+    }
     four, eight = ids_of[b"    "], ids_of[b"        "]
     forcing = Forcing(healer, "    ")
     logits = torch.zeros(tok.vocab_size)
@@ -93,7 +105,6 @@ def test_healed_indentation_never_grows_deeper(shipped):
     assert not forcing.active
 
 
-
 def test_forced_text_is_neither_released_nor_matched_against_stops(shipped):
     _, tok = shipped
     ids = tok.encode("\n        return x\n    y")
@@ -106,12 +117,16 @@ def test_mid_word_completion_continues_the_word(shipped):
     model, tok = shipped
     prefix = STACK + "self.items.app"
     ids = build_fim_prompt(tok, prefix, STACK_SUFFIX, "spm", heal=True)
-    text, stats = complete(model, tok, ids, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, prefix))
+    text, stats = complete(
+        model, tok, ids, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, prefix)
+    )
     assert text == "end(item)"
     assert tok.decode(stats.token_ids).startswith(healed_text(tok, prefix))
     # At the indentation of an empty line: the line's code, without the indentation again.
     ids = build_fim_prompt(tok, STACK, STACK_SUFFIX, "spm", heal=True)
-    text, _ = complete(model, tok, ids, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, STACK))
+    text, _ = complete(
+        model, tok, ids, max_tokens=24, stop=["\n"], forced_text=healed_text(tok, STACK)
+    )
     assert text == "self.items.append(item)"
 
 
@@ -127,14 +142,18 @@ def test_engine_and_single_generation_heal_alike(checkpoint_factory):
     for i, prefix in enumerate(prefixes):  # batched, each with its own constraint
         results[i] = []
         ids = build_fim_prompt(tok, prefix, "\n", "spm", heal=True)
-        engine.submit(Request(ids, max_tokens=10, stop_at_eos=False, forced_text=healed_text(tok, prefix)),
-                      results[i].append)
+        engine.submit(
+            Request(ids, max_tokens=10, stop_at_eos=False, forced_text=healed_text(tok, prefix)),
+            results[i].append,
+        )
     engine.run_until_idle()
     for i, prefix in enumerate(prefixes):
         forced = healed_text(tok, prefix)
         assert forced
         ids = build_fim_prompt(tok, prefix, "\n", "spm", heal=True)
-        expected, stats = complete(model, tok, ids, max_tokens=10, stop_at_eos=False, forced_text=forced)
+        expected, stats = complete(
+            model, tok, ids, max_tokens=10, stop_at_eos=False, forced_text=forced
+        )
         assert "".join(e.text for e in results[i] if e.kind == "delta") == expected
         assert tok.decode(stats.token_ids).startswith(forced)
 
@@ -149,14 +168,25 @@ def test_forced_tokens_do_not_count_against_the_budget(checkpoint_factory):
         ids = build_fim_prompt(tok, prefix, "\n", "spm", heal=True)
         for max_tokens in (1, 2):
             events = []
-            engine.submit(Request(ids, max_tokens=max_tokens, stop_at_eos=False, forced_text=forced), events.append)
+            engine.submit(
+                Request(ids, max_tokens=max_tokens, stop_at_eos=False, forced_text=forced),
+                events.append,
+            )
             engine.run_until_idle()
             text = "".join(e.text for e in events if e.kind == "delta")
             done = events[-1]
             assert done.finish_reason == "length" and done.usage["completion_tokens"] == max_tokens
-            expected, stats = complete(model, tok, ids, max_tokens=max_tokens, stop_at_eos=False, forced_text=forced)
-            assert text == expected and stats.completion_tokens == max_tokens and stats.forced_tokens >= 1
-            assert tok.decode(stats.token_ids).startswith(forced + text)  # released text follows the forced
+            expected, stats = complete(
+                model, tok, ids, max_tokens=max_tokens, stop_at_eos=False, forced_text=forced
+            )
+            assert (
+                text == expected
+                and stats.completion_tokens == max_tokens
+                and stats.forced_tokens >= 1
+            )
+            assert tok.decode(stats.token_ids).startswith(
+                forced + text
+            )  # released text follows the forced
 
 
 def test_whitespace_alone_is_forced_only_as_indentation(shipped):
@@ -169,8 +199,11 @@ def test_whitespace_alone_is_forced_only_as_indentation(shipped):
         assert forced.strip() and tok.decode(ids) + forced == prefix
         forcing = Forcing(healer, forced)
         while forcing.remaining:  # write exactly the forced text, in one or more tokens
-            token = next(i for i in healer.allowed(forcing.remaining).tolist()
-                         if forcing.remaining.startswith(healer.token_bytes[i]))
+            token = next(
+                i
+                for i in healer.allowed(forcing.remaining).tolist()
+                if forcing.remaining.startswith(healer.token_bytes[i])
+            )
             forcing.advance(token)
         assert not forcing.active  # no guard step: " # comment" may follow
     rng = random.Random(1)
@@ -178,4 +211,6 @@ def test_whitespace_alone_is_forced_only_as_indentation(shipped):
         prefix = "".join(rng.choice("ab \n\t(=_.:#") for _ in range(rng.randint(1, 30)))
         _, forced = healer.split(prefix)
         if forced and not forced.strip():
-            assert not prefix[prefix.rfind("\n") + 1:].strip()  # the cursor line is only indentation
+            assert not prefix[
+                prefix.rfind("\n") + 1 :
+            ].strip()  # the cursor line is only indentation

@@ -13,7 +13,7 @@ from kernels.gemv import skinny_linear
 def test_matches_linear(rows, n_out, k_in, dtype, bias):
     g = torch.Generator().manual_seed(rows * n_out)
     x = torch.randn(rows, k_in, generator=g).to(dtype)
-    w = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(dtype)
+    w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).to(dtype)
     b = torch.randn(n_out, generator=g).to(dtype) if bias else None
     got = skinny_linear(x, w, b, block_n=16, block_k=32)
     expected = F.linear(x.double(), w.double(), b.double() if bias else None)

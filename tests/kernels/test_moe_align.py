@@ -7,10 +7,14 @@ import torch
 from kernels.moe_align import align_by_expert, align_by_expert_torch
 
 
-@pytest.mark.parametrize("tokens,k,experts,block_m", [(3, 2, 8, 4), (37, 2, 8, 16), (50, 4, 16, 8), (9, 8, 128, 16)])
+@pytest.mark.parametrize(
+    "tokens,k,experts,block_m", [(3, 2, 8, 4), (37, 2, 8, 16), (50, 4, 16, 8), (9, 8, 128, 16)]
+)
 def test_torch_grouping_matches_the_kernel(tokens, k, experts, block_m):
     g = torch.Generator().manual_seed(tokens * k)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])  # distinct per token
+    ids = torch.stack(
+        [torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]
+    )  # distinct per token
     fast_slots, fast_blocks, fast_used = align_by_expert_torch(ids, experts, block_m)
     slots, blocks, used = align_by_expert(ids, experts, block_m)
     assert torch.equal(fast_used, used)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kernels import dispatch, reference
+from kernels import warp_decode as wd
 from kernels.fused_moe import fused_moe
 from kernels.moe_align import align_by_expert
 from kernels.router import route as triton_route
-from kernels import warp_decode as wd
 from kernels.warp_decode import warp_decode_moe
 from kernels.warp_decode_batched import warp_decode_batched_moe
 from kernels.warp_decode_dedup import warp_decode_dedup_moe
@@ -88,8 +88,10 @@ def test_warp_decode_overlap_config_falls_back_without_pdl():
     # the plain pair there (and on GPUs before Hopper).
     assert not wd.pdl_supported(0)
     layer = make_layer(5, 70, 40, 6, 3, seed=31)
-    cfg = {"gate_up": dict(WARP_SMALL["gate_up"], prefetch_down=True),
-           "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True)}
+    cfg = {
+        "gate_up": dict(WARP_SMALL["gate_up"], prefetch_down=True),
+        "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True),
+    }
     check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
 
 
@@ -97,18 +99,24 @@ def test_warp_decode_overlap_config_falls_back_without_pdl():
 def test_warp_decode_preloaded_first_chunk(shape):
     # The down kernel's first chunk loaded ahead of the (PDL) wait, then the loop from chunk 2.
     layer = make_layer(*shape, seed=hash(shape) % 1000 + 5)
-    cfg = {"gate_up": WARP_SMALL["gate_up"], "down": dict(WARP_SMALL["down"], pdl=True, preload=True)}
+    cfg = {
+        "gate_up": WARP_SMALL["gate_up"],
+        "down": dict(WARP_SMALL["down"], pdl=True, preload=True),
+    }
     check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
 
 
 def _dedup_small(group):
-    return {"gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "GROUP": group, "num_warps": 4},
-            "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True)}
+    return {
+        "gate_up": {"BLOCK_I": 16, "BLOCK_H": 32, "GROUP": group, "num_warps": 4},
+        "down": dict(WARP_SMALL["down"], pdl=True, prefetch=True),
+    }
 
 
 # Many tokens over few experts: most experts serve several tokens, more than one GROUP pass.
-@pytest.mark.parametrize("shape,group", [(s, 2) for s in SHAPES] + [((20, 64, 48, 8, 2), 1),
-                                                                   ((13, 40, 24, 4, 3), 4)])
+@pytest.mark.parametrize(
+    "shape,group", [(s, 2) for s in SHAPES] + [((20, 64, 48, 8, 2), 1), ((13, 40, 24, 4, 3), 4)]
+)
 def test_dedup_warp_decode_matches_reference(shape, group):
     layer = make_layer(*shape, seed=hash(shape) % 1000 + 3)
     y = warp_decode_dedup_moe(*layer, config=_dedup_small(group))
@@ -154,7 +162,9 @@ def test_int32_ids_accepted():
     check_moe(fused_moe(*layer, config=FUSED_SMALL), *layer, reference.moe_expert_centric)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (37, 5, 3, 16), (9, 40, 4, 32)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m", [(3, 8, 2, 16), (37, 5, 3, 16), (9, 40, 4, 32)]
+)
 def test_align_groups_slots_by_expert(tokens, experts, top_k, block_m):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -177,7 +187,9 @@ def test_align_groups_slots_by_expert(tokens, experts, top_k, block_m):
     assert (sorted_slots[used:] == numel).all()
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,renorm", [(1, 8, 2, True), (5, 60, 6, True), (4, 10, 3, False)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,renorm", [(1, 8, 2, True), (5, 60, 6, True), (4, 10, 3, False)]
+)
 def test_router_matches_reference(tokens, experts, top_k, renorm):
     gen = torch.Generator().manual_seed(experts)
     x = torch.randn(tokens, 32, generator=gen).bfloat16()
@@ -203,17 +215,33 @@ def test_dispatch_cpu_uses_references():
 
 def test_dispatch_triton_paths_match_reference():
     layer = make_layer(3, 64, 48, 8, 2, seed=5)
-    for path in (dispatch.WARP_DECODE, dispatch.WARP_DECODE_DEDUP, dispatch.WARP_DECODE_BATCHED,
-                 dispatch.EXPERT_CENTRIC):
+    for path in (
+        dispatch.WARP_DECODE,
+        dispatch.WARP_DECODE_DEDUP,
+        dispatch.WARP_DECODE_BATCHED,
+        dispatch.EXPERT_CENTRIC,
+    ):
         check_moe(dispatch.run_path(path, *layer), *layer, reference.moe_float64)
 
 
 def test_choose_path_follows_crossover_table(monkeypatch):
-    table = {"E128_k8": {"experts": 128, "slots_per_expert": 0.5,
-                         "winners": {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric",
-                                     "64": "warp_decode_batched"}},
-             "E64_k16": {"experts": 64, "slots_per_expert": 0.5,
-                         "winners": {"2": "warp_decode", "8": "warp_decode_dedup"}}}
+    table = {
+        "E128_k8": {
+            "experts": 128,
+            "slots_per_expert": 0.5,
+            "winners": {
+                "1": "warp_decode",
+                "8": "warp_decode",
+                "16": "expert_centric",
+                "64": "warp_decode_batched",
+            },
+        },
+        "E64_k16": {
+            "experts": 64,
+            "slots_per_expert": 0.5,
+            "winners": {"2": "warp_decode", "8": "warp_decode_dedup"},
+        },
+    }
     monkeypatch.setattr(dispatch, "_table", lambda: table)
     assert dispatch.choose_path(1, 8, 128) == dispatch.WARP_DECODE
     assert dispatch.choose_path(9, 8, 128) == dispatch.WARP_DECODE

@@ -26,8 +26,12 @@ def _reference(q, keys, values, tables, lengths, block_size, k_scale=None, v_sca
         k, v = keys[slots].float(), values[slots].float()
         if k_scale is not None:
             k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
-        o = ref.attention(q[b : b + 1, :, None].float(), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                          torch.tensor([[n - 1]]))
+        o = ref.attention(
+            q[b : b + 1, :, None].float(),
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            torch.tensor([[n - 1]]),
+        )
         out.append(o[0, :, 0])
     return torch.stack(out)
 
@@ -49,7 +53,13 @@ def test_wide_table_reads_only_each_length():
     """A CUDA graph replays one launch for a table as wide as the longest context: entries past a
     sequence's length hold stale block ids and must not change its output."""
     q, keys, values, tables, lens = _case([6, 11], seed=3)
-    stale = torch.randint(0, tables.max().item() + 1, (2, 9), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    stale = torch.randint(
+        0,
+        tables.max().item() + 1,
+        (2, 9),
+        dtype=torch.int32,
+        generator=torch.Generator().manual_seed(1),
+    )
     wide = torch.cat([tables, stale], dim=1)
     out = paged_decode_attention(q, keys, values, wide, lens, 4, n_splits=5)
     assert (out - _reference(q, keys, values, tables, lens, 4)).abs().max().item() < 1e-5
@@ -61,6 +71,8 @@ def test_fp8_storage_with_scales():
     v_scale = values.abs().amax(-1) / 448.0
     k8 = (keys / k_scale[..., None]).to(torch.float8_e4m3fn)
     v8 = (values / v_scale[..., None]).to(torch.float8_e4m3fn)
-    out = paged_decode_attention(q.to(torch.bfloat16), k8, v8, tables, lens, 4, k_scale, v_scale).float()
+    out = paged_decode_attention(
+        q.to(torch.bfloat16), k8, v8, tables, lens, 4, k_scale, v_scale
+    ).float()
     expected = _reference(q, k8.float(), v8.float(), tables, lens, 4, k_scale, v_scale)
     assert (out - expected).abs().max().item() < 2e-2  # bf16 operands

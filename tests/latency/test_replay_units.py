@@ -7,8 +7,16 @@ from wd_lsp.bench.metrics import percentile, summarize, would_accept
 from wd_lsp.bench.report import write
 from wd_lsp.bench.script import Cadence, Segment, keystrokes, pick_segment
 
-CODE = "\n".join(["import os", ""] + [f"def f{i}(x):\n    if x > {i}:\n        return x * {i}\n    return os.sep"
-                                      for i in range(12)]) + "\n"
+CODE = (
+    "\n".join(
+        ["import os", ""]
+        + [
+            f"def f{i}(x):\n    if x > {i}:\n        return x * {i}\n    return os.sep"
+            for i in range(12)
+        ]
+    )
+    + "\n"
+)
 
 
 def test_keystrokes_retype_the_segment_exactly():
@@ -24,8 +32,24 @@ def test_keystrokes_retype_the_segment_exactly():
 
 def test_cadence_pauses_after_enter_and_words():
     seg = Segment("a.py", "x = 1\n", "y = 2\nz = 3\n", "")
-    keys = keystrokes(seg, Cadence(key_ms=100, jitter=0, line_pause_ms=700, word_pause_ms=300), random.Random(0))
-    assert [round(k.delay_ms) for k in keys] == [100, 100, 400, 100, 400, 100, 800, 100, 400, 100, 400, 100, 700]
+    keys = keystrokes(
+        seg, Cadence(key_ms=100, jitter=0, line_pause_ms=700, word_pause_ms=300), random.Random(0)
+    )
+    assert [round(k.delay_ms) for k in keys] == [
+        100,
+        100,
+        400,
+        100,
+        400,
+        100,
+        800,
+        100,
+        400,
+        100,
+        400,
+        100,
+        700,
+    ]
 
 
 def test_segments_respect_context_minimums():
@@ -49,26 +73,76 @@ def test_percentile_is_nearest_rank():
 
 
 def _record(**kw):
-    base = dict(editor="nvim", segment="a.py", version=2, typed_chars=1, context_chars=10, key_at=0.0,
-                sent_at=0.2, answer_at=0.5, outcome="shown", text="x", truth="x\n", first_token_at=0.4,
-                usage=None, engine_ms=None, engine_first_token_ms=150.0, deltas=5, decode_s=0.1, error=None,
-                ghost_ms=500.0, first_token_ms=400.0, request_first_token_ms=200.0, mode="cache-on")
+    base = dict(
+        editor="nvim",
+        segment="a.py",
+        version=2,
+        typed_chars=1,
+        context_chars=10,
+        key_at=0.0,
+        sent_at=0.2,
+        answer_at=0.5,
+        outcome="shown",
+        text="x",
+        truth="x\n",
+        first_token_at=0.4,
+        usage=None,
+        engine_ms=None,
+        engine_first_token_ms=150.0,
+        deltas=5,
+        decode_s=0.1,
+        error=None,
+        ghost_ms=500.0,
+        first_token_ms=400.0,
+        request_first_token_ms=200.0,
+        mode="cache-on",
+    )
     base.update(kw)
     return base
 
 
 def test_summary_and_report(tmp_path):
-    records = [_record(), _record(outcome="cancelled", text="", first_token_ms=None, request_first_token_ms=None),
-               _record(outcome="error", error="boom")]
-    s = summarize(records, [{"typing_through": 2, "superseded": 1, "errors": 0}],
-                  {"requests": 3, "completed": 1, "cancelled": 1, "failed": 0, "prompt_tokens": 100,
-                   "cache_hit_tokens": 80, "evictions": 0})
+    records = [
+        _record(),
+        _record(outcome="cancelled", text="", first_token_ms=None, request_first_token_ms=None),
+        _record(outcome="error", error="boom"),
+    ]
+    s = summarize(
+        records,
+        [{"typing_through": 2, "superseded": 1, "errors": 0}],
+        {
+            "requests": 3,
+            "completed": 1,
+            "cancelled": 1,
+            "failed": 0,
+            "prompt_tokens": 100,
+            "cache_hit_tokens": 80,
+            "evictions": 0,
+        },
+    )
     assert s["shown"] == 1 and s["cancelled"] == 1 and s["errors"] == 1
-    assert s["keystroke_to_ghost_ms"]["p50"] == 500.0 and abs(s["decode_tokens_per_s"] - 40.0) < 1e-9
+    assert (
+        s["keystroke_to_ghost_ms"]["p50"] == 500.0 and abs(s["decode_tokens_per_s"] - 40.0) < 1e-9
+    )
     assert s["would_accept_whole"] == 1.0 and s["engine"]["cache_hit_ratio_all"] == 0.8
-    result = dict(kind="compare", modes={"cache-on": {"nvim": s, "all": s}}, ratios={"x": 0.5}, records=records,
-                  config=dict(modes=["cache-on"], editors=["nvim"], segments=["a.py"],
-                              cadence=dict(key_ms=110, jitter=0.3, line_pause_ms=700), model="default"))
+    result = dict(
+        kind="compare",
+        modes={"cache-on": {"nvim": s, "all": s}},
+        ratios={"x": 0.5},
+        records=records,
+        config=dict(
+            modes=["cache-on"],
+            editors=["nvim"],
+            segments=["a.py"],
+            cadence=dict(key_ms=110, jitter=0.3, line_pause_ms=700),
+            model="default",
+        ),
+    )
     written = write(result, tmp_path)
-    assert {p.name for p in written} == {"latency.json", "latency.md", "latency_cdf.png", "latency_vs_context.png"}
+    assert {p.name for p in written} == {
+        "latency.json",
+        "latency.md",
+        "latency_cdf.png",
+        "latency_vs_context.png",
+    }
     assert "| cache-on | nvim |" in (tmp_path / "latency.md").read_text()

@@ -1,6 +1,6 @@
 """Timing of the per-keystroke work on a 5,000-line Python file (not a test: run directly).
 
-    python tests/lsp/bench_lsp_core.py
+python tests/lsp/bench_lsp_core.py
 """
 
 import statistics
@@ -49,7 +49,9 @@ def main():
     print(f"{doc.line_count} lines, {doc.byte_size} bytes; full parse {full * 1e3:.1f} ms")
 
     # Type a new statement, key by key, at the end of a method in the middle of the file.
-    line = next(i for i in range(doc.line_count // 2, doc.line_count) if "return sum(" in doc.line_text(i))
+    line = next(
+        i for i in range(doc.line_count // 2, doc.line_count) if "return sum(" in doc.line_text(i)
+    )
     end = Position(line, len(doc.line_text(line)))
     ws.change(doc.uri, "\n        ", end, end)
     line, col = line + 1, 8
@@ -62,8 +64,13 @@ def main():
         t1 = time.perf_counter()
         doc.tree
         t2 = time.perf_counter()
-        ctx = build_context(doc, Position(line, col + 1), open_documents=ws.documents(),
-                            recent_edits=ws.recent_edits(), root=ws.root)
+        ctx = build_context(
+            doc,
+            Position(line, col + 1),
+            open_documents=ws.documents(),
+            recent_edits=ws.recent_edits(),
+            root=ws.root,
+        )
         decide_shape(ctx)
         t3 = time.perf_counter()
         edit.append(t1 - t0)

@@ -1,13 +1,12 @@
 """Context assembly: FIM split, budget trimming at boundaries, extra chunks, stable order."""
 
 import pytest
+from lsp_snippets import PROJECTS, split_cursor
 
 from wd_lsp.context import CHUNK_KINDS, PREFIX_CUT_STEP, Budget, build_context
 from wd_lsp.document import Document, Position
 from wd_lsp.symbols import definitions, imports
 from wd_lsp.workspace import Workspace
-
-from lsp_snippets import PROJECTS, split_cursor
 
 USED_NAME = {"go": "Distance"}
 
@@ -103,7 +102,9 @@ def test_prefix_cut_uses_a_real_tokenizer_count():
     text = _long_python(100) + "x = "
     doc = Document("file:///big.py", text, "python")
     words = lambda s: len(s.split())  # a crude but different tokenizer
-    ctx = build_context(doc, doc.position_at(len(text)), budget=Budget(prefix_tokens=120), count_tokens=words)
+    ctx = build_context(
+        doc, doc.position_at(len(text)), budget=Budget(prefix_tokens=120), count_tokens=words
+    )
     assert ctx.prefix_truncated and words(ctx.prefix) <= 120
 
 
@@ -142,16 +143,25 @@ def test_recent_edits_from_other_files_come_last():
     ws, lib, main, cursor = open_project("python")
     other = ws.open("file:///proj/pkg/notes.py", "A = 1\nB = 2\nC = 3\n", "python")
     ws.change(other.uri, "42", Position(1, 4), Position(1, 5))
-    ctx = build_context(main, main.position_at(cursor), open_documents=ws.documents(),
-                        recent_edits=ws.recent_edits(), root=ws.root)
+    ctx = build_context(
+        main,
+        main.position_at(cursor),
+        open_documents=ws.documents(),
+        recent_edits=ws.recent_edits(),
+        root=ws.root,
+    )
     assert ctx.chunks[-1].kind == "recent_edit"
     assert "B = 42" in ctx.chunks[-1].text
 
 
 def test_extra_budget_is_respected():
     ws, lib, main, cursor = open_project("python")
-    ctx = build_context(main, main.position_at(cursor), open_documents=ws.documents(),
-                        budget=Budget(extra_tokens=20))
+    ctx = build_context(
+        main,
+        main.position_at(cursor),
+        open_documents=ws.documents(),
+        budget=Budget(extra_tokens=20),
+    )
     assert ctx.extra_tokens <= 20
 
 

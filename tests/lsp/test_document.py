@@ -116,8 +116,32 @@ def test_recent_edit_lines_shift_with_inserted_lines():
 
 
 _ALPHABET = st.sampled_from(
-    ["\n", "\r\n", " ", "    ", "(", ")", ":", "{", "}", "def ", "x", "=", "1", "'", '"', "😀", "中", "#",
-     "\t", "if ", "\r", "é", "\f", "\u2028"]
+    [
+        "\n",
+        "\r\n",
+        " ",
+        "    ",
+        "(",
+        ")",
+        ":",
+        "{",
+        "}",
+        "def ",
+        "x",
+        "=",
+        "1",
+        "'",
+        '"',
+        "😀",
+        "中",
+        "#",
+        "\t",
+        "if ",
+        "\r",
+        "é",
+        "\f",
+        "\u2028",
+    ]
 )
 _SNIPPET = st.lists(_ALPHABET, max_size=8).map("".join)
 
@@ -134,7 +158,9 @@ SEED = "def f(x):\n    return x + 1  # 😀\n\nclass A:\n    y = '中文'\n    d
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edit_sequences(), st.sampled_from(["python", "javascript", "rust"]), st.sampled_from(ENCODINGS))
+@given(
+    edit_sequences(), st.sampled_from(["python", "javascript", "rust"]), st.sampled_from(ENCODINGS)
+)
 def test_incremental_tree_matches_fresh_parse(edits, language, encoding):
     doc = Document("file:///t", SEED, language, encoding=encoding)
     assert doc.tree is not None
@@ -200,11 +226,27 @@ def test_utf16_len_matches_encoder():
         assert utf16_len(s) == len(s.encode("utf-16-le", "surrogatepass")) // 2
 
 
-_TEXT_PIECES = ["a", " ", "\n", "\r", "\r\n", "😀", "中", "é", "\t", "\f", "\u2028", "\u0085", "\udc00"]
+_TEXT_PIECES = [
+    "a",
+    " ",
+    "\n",
+    "\r",
+    "\r\n",
+    "😀",
+    "中",
+    "é",
+    "\t",
+    "\f",
+    "\u2028",
+    "\u0085",
+    "\udc00",
+]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(_TEXT_PIECES), max_size=40).map("".join), st.sampled_from(ENCODINGS))
+@given(
+    st.lists(st.sampled_from(_TEXT_PIECES), max_size=40).map("".join), st.sampled_from(ENCODINGS)
+)
 def test_positions_round_trip_random_text(text, encoding):
     doc = Document("file:///t.txt", text, encoding=encoding)
     for offset in range(len(text) + 1):

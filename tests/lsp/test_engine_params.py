@@ -3,8 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
-from engine.client import EngineError
-from engine.protocol import CompletionParams
+from engine.ipc.client import EngineError
+from engine.ipc.protocol import CompletionParams
 from wd_lsp.config import Settings, merge_settings
 from wd_lsp.engine_link import EngineAnswer, EngineLink
 from wd_lsp.shape import StopRules

@@ -38,7 +38,9 @@ def test_plain_text_has_no_parser():
     assert not PLAIN_TEXT.has_parser
 
 
-@pytest.mark.parametrize("name", ["python", "javascript", "typescript", "tsx", "go", "rust", "c", "cpp", "java"])
+@pytest.mark.parametrize(
+    "name", ["python", "javascript", "typescript", "tsx", "go", "rust", "c", "cpp", "java"]
+)
 def test_every_language_parses(name):
     lang = detect_language(name if name != "tsx" else "typescriptreact")
     tree = get_parser(lang).parse(b"x")

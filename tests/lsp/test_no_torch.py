@@ -19,9 +19,9 @@ MODULES = [
     "wd_lsp.engine_link",
     "wd_lsp.transport",
     "wd_lsp.server",
-    "engine.client",
-    "engine.paths",
-    "engine.token_files",
+    "engine.ipc.client",
+    "engine.ipc.paths",
+    "engine.ipc.token_files",
 ]
 
 

@@ -1,6 +1,7 @@
 """Post-filters: suffix overlap, bracket balance, repetition, indentation, the whole chain."""
 
 import pytest
+from lsp_snippets import split_cursor
 
 from wd_lsp.context import build_context
 from wd_lsp.document import Document
@@ -14,8 +15,6 @@ from wd_lsp.postprocess import (
     trim_suffix_overlap,
 )
 from wd_lsp.shape import decide_shape
-
-from lsp_snippets import split_cursor
 
 
 def run(marked: str, completion: str, language: str = "python"):

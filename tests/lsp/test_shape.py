@@ -1,12 +1,11 @@
 """Single- vs multi-line decisions and stop rules."""
 
 import pytest
+from lsp_snippets import split_cursor
 
 from wd_lsp.context import build_context
 from wd_lsp.document import Document
 from wd_lsp.shape import StopRules, apply_stop_rules, decide_shape
-
-from lsp_snippets import split_cursor
 
 
 def shape_at(marked: str, language: str):

@@ -26,7 +26,9 @@ def doc_in(encoding: str, text: str, language: str = "plaintext") -> Document:
 MIXED = 'a = "é中😀x"\n'  # before x: 'a = "' then é (2 bytes), 中 (3 bytes), 😀 (4 bytes, 2 units)
 
 
-@pytest.mark.parametrize("encoding, column", [(UTF8, 5 + 2 + 3 + 4), (UTF16, 5 + 1 + 1 + 2), (UTF32, 5 + 3)])
+@pytest.mark.parametrize(
+    "encoding, column", [(UTF8, 5 + 2 + 3 + 4), (UTF16, 5 + 1 + 1 + 2), (UTF32, 5 + 3)]
+)
 def test_column_of_a_character_after_non_ascii(encoding, column):
     doc = doc_in(encoding, MIXED)
     x = MIXED.index("x")
@@ -180,8 +182,14 @@ def test_context_for_the_engine_is_valid_utf8_but_the_text_is_kept():
     ctx = build_context(doc, doc.position_at(len(text)), open_documents=[other])
     assert doc.text == text
     assert ctx.prefix == 'a = "\ufffd"\nb = "\ufffd😀"\nc = ' and len(ctx.prefix) == len(text)
-    msgpack.packb({"prefix": ctx.prefix, "suffix": ctx.suffix, "line": ctx.line_prefix,
-                   "chunks": [c.text for c in ctx.chunks]})
+    msgpack.packb(
+        {
+            "prefix": ctx.prefix,
+            "suffix": ctx.suffix,
+            "line": ctx.line_prefix,
+            "chunks": [c.text for c in ctx.chunks],
+        }
+    )
 
 
 # ---- units against Python's encoders ------------------------------------------------------------
@@ -208,8 +216,13 @@ def test_units_match_the_encoders(line, encoding):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.lists(_CHARS, max_size=4).map("".join)),
-                min_size=1, max_size=10))
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 1), st.floats(0, 1), st.lists(_CHARS, max_size=4).map("".join)),
+        min_size=1,
+        max_size=10,
+    )
+)
 def test_byte_offsets_match_the_encoding_after_edits(edits):
     # byte_offset encodes only from the nearest known point (start, end, last edit): check all
     text = "é😀 x\n中 \ud800 y\n" * 3

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from lsprotocol import types as T
 from pytest_lsp import ClientServerConfig
 
-from engine.client import EngineClient
+from engine.ipc.client import EngineClient
 from engine.models import default_model_dir
 
 # ---- the reference model: LSP semantics, the slow and obvious way ----------------------------
@@ -72,8 +72,13 @@ REPLY_TIMEOUT_S = 60
 class StdioClient:
     def __init__(self, env: dict, log_path):
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "wd_lsp"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "wd_lsp"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count(1)
         threading.Thread(target=self._read_forever, daemon=True).start()
@@ -124,8 +129,26 @@ class StdioClient:
 # Client capabilities per encoding: the client's first offer wins; saying nothing means UTF-16.
 OFFERS = {"utf-8": ["utf-8", "utf-16"], "utf-16": None, "utf-32": ["utf-32", "utf-8"]}
 NO_ENGINE = {"enabled": False, "warmOnChange": False, "engine": {"autoStart": False}}
-PIECES = ["a", "bc", " ", "\t", "é", "中", "😀", "𝔘", "\n", "\r", "\r\n", "\f", "\v", "\u2028",
-          "\u2029", "\u0085", "\x1c", "\udc00"]  # only low surrogates: JSON never pairs them up
+PIECES = [
+    "a",
+    "bc",
+    " ",
+    "\t",
+    "é",
+    "中",
+    "😀",
+    "𝔘",
+    "\n",
+    "\r",
+    "\r\n",
+    "\f",
+    "\v",
+    "\u2028",
+    "\u2029",
+    "\u0085",
+    "\x1c",
+    "\udc00",
+]  # only low surrogates: JSON never pairs them up
 TEXT = st.lists(st.sampled_from(PIECES), max_size=12).map("".join)
 NOTIFICATIONS = 10  # per example, each with several changes
 MAX_CHANGES = 16
@@ -140,9 +163,15 @@ def sync_server(request, tmp_path_factory):
     env = dict(os.environ, WD_ENGINE_DIR=str(tmp / "run"), XDG_STATE_HOME=str(tmp / "state"))
     client = StdioClient(env, tmp / "server.log")
     general = {"positionEncodings": OFFERS[encoding]} if OFFERS[encoding] else {}
-    result = client.request("initialize", {"processId": None, "rootUri": None,
-                                           "capabilities": {"general": general},
-                                           "initializationOptions": NO_ENGINE})
+    result = client.request(
+        "initialize",
+        {
+            "processId": None,
+            "rootUri": None,
+            "capabilities": {"general": general},
+            "initializationOptions": NO_ENGINE,
+        },
+    )
     assert result["capabilities"]["positionEncoding"] == encoding
     client.notify("initialized", {})
     yield client, encoding
@@ -176,10 +205,15 @@ def draw_change(data, text: str, encoding: str) -> tuple[dict, str]:
 
 
 def check_state(client: StdioClient, uri: str, text: str, version: int, encoding: str) -> None:
-    state = client.request("workspace/executeCommand",
-                           {"command": "wdLsp.documentState", "arguments": [uri, True]})
+    state = client.request(
+        "workspace/executeCommand", {"command": "wdLsp.documentState", "arguments": [uri, True]}
+    )
     expected = dict(
-        open=True, version=version, encoding=encoding, text=text, lineCount=len(ref_lines(text)),
+        open=True,
+        version=version,
+        encoding=encoding,
+        text=text,
+        lineCount=len(ref_lines(text)),
         length=ref_units(text, encoding),
         sha256=hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
     )
@@ -191,22 +225,31 @@ def test_server_text_equals_the_reference_after_every_change(sync_server):
     uris = (f"file:///sync/{encoding}/{n}.txt" for n in itertools.count())
     edits = 0
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(st.data())
     def run(data):
         nonlocal edits
         uri, text = next(uris), data.draw(TEXT)
-        client.notify("textDocument/didOpen", {"textDocument": {
-            "uri": uri, "languageId": "plaintext", "version": 0, "text": text}})
+        client.notify(
+            "textDocument/didOpen",
+            {"textDocument": {"uri": uri, "languageId": "plaintext", "version": 0, "text": text}},
+        )
         check_state(client, uri, text, 0, encoding)
         for version in range(1, NOTIFICATIONS + 1):
             changes = []
             for _ in range(data.draw(st.integers(1, MAX_CHANGES))):
                 change, text = draw_change(data, text, encoding)
                 changes.append(change)
-            client.notify("textDocument/didChange", {
-                "textDocument": {"uri": uri, "version": version}, "contentChanges": changes})
+            client.notify(
+                "textDocument/didChange",
+                {"textDocument": {"uri": uri, "version": version}, "contentChanges": changes},
+            )
             edits += len(changes)
             check_state(client, uri, text, version, encoding)
         client.notify("textDocument/didClose", {"textDocument": {"uri": uri}})
@@ -218,8 +261,10 @@ def test_server_text_equals_the_reference_after_every_change(sync_server):
 
 def test_document_state_of_an_unknown_document(sync_server):
     client, _ = sync_server
-    state = client.request("workspace/executeCommand",
-                           {"command": "wdLsp.documentState", "arguments": ["file:///never/opened.txt"]})
+    state = client.request(
+        "workspace/executeCommand",
+        {"command": "wdLsp.documentState", "arguments": ["file:///never/opened.txt"]},
+    )
     assert state == {"uri": "file:///never/opened.txt", "open": False}
 
 
@@ -243,9 +288,16 @@ class InProcess:
 
     def initialize(self, offer):
         general = {"positionEncodings": offer} if offer is not None else {}
-        self.handle(id=len(self.sent) + 1, method="initialize", params={
-            "processId": None, "rootUri": None, "capabilities": {"general": general},
-            "initializationOptions": NO_ENGINE})
+        self.handle(
+            id=len(self.sent) + 1,
+            method="initialize",
+            params={
+                "processId": None,
+                "rootUri": None,
+                "capabilities": {"general": general},
+                "initializationOptions": NO_ENGINE,
+            },
+        )
         return self.sent[-1]["result"]["capabilities"]["positionEncoding"]
 
 
@@ -260,15 +312,32 @@ def in_process():
     server.docs, server.settings = saved
 
 
-@pytest.mark.parametrize("offer, chosen", [
-    (["utf-8", "utf-16"], "utf-8"), (["utf-32", "utf-8"], "utf-32"), (["utf-16", "utf-8"], "utf-16"),
-    (["utf-7", "utf-32"], "utf-32"), (["utf-7"], "utf-16"), ([], "utf-16"), (None, "utf-16"),
-])
+@pytest.mark.parametrize(
+    "offer, chosen",
+    [
+        (["utf-8", "utf-16"], "utf-8"),
+        (["utf-32", "utf-8"], "utf-32"),
+        (["utf-16", "utf-8"], "utf-16"),
+        (["utf-7", "utf-32"], "utf-32"),
+        (["utf-7"], "utf-16"),
+        ([], "utf-16"),
+        (None, "utf-16"),
+    ],
+)
 async def test_the_encoding_used_is_the_one_advertised(in_process, offer, chosen):
     assert in_process.initialize(offer) == chosen
     assert in_process.server.docs.encoding == chosen
-    in_process.handle(method="textDocument/didOpen", params={"textDocument": {
-        "uri": "file:///a.txt", "languageId": "plaintext", "version": 1, "text": "x"}})
+    in_process.handle(
+        method="textDocument/didOpen",
+        params={
+            "textDocument": {
+                "uri": "file:///a.txt",
+                "languageId": "plaintext",
+                "version": 1,
+                "text": "x",
+            }
+        },
+    )
     assert in_process.server.docs.get("file:///a.txt").encoding == chosen
 
 
@@ -277,11 +346,22 @@ async def test_pygls_keeps_no_copy_and_leaves_the_params_alone(in_process):
     splits lines by `str.splitlines`) never holds the document."""
     assert in_process.initialize(["utf-8"]) == "utf-8"
     uri = "file:///inproc.txt"
-    in_process.handle(method="textDocument/didOpen", params={"textDocument": {
-        "uri": uri, "languageId": "plaintext", "version": 1, "text": "é😀\fz\n"}})
+    in_process.handle(
+        method="textDocument/didOpen",
+        params={
+            "textDocument": {
+                "uri": uri,
+                "languageId": "plaintext",
+                "version": 1,
+                "text": "é😀\fz\n",
+            }
+        },
+    )
     after_emoji = {"line": 0, "character": 6}  # é is 2 bytes, 😀 4
-    params = {"textDocument": {"uri": uri, "version": 2},
-              "contentChanges": [{"range": {"start": after_emoji, "end": after_emoji}, "text": "x"}]}
+    params = {
+        "textDocument": {"uri": uri, "version": 2},
+        "contentChanges": [{"range": {"start": after_emoji, "end": after_emoji}, "text": "x"}],
+    }
     change = in_process.handle(method="textDocument/didChange", params=copy.deepcopy(params))
     assert in_process.proto._converter.unstructure(change.params) == params
     assert in_process.server.docs.get(uri).text == "é😀x\fz\n"
@@ -290,7 +370,7 @@ async def test_pygls_keeps_no_copy_and_leaves_the_params_alone(in_process):
 
 # ---- end to end with the engine ---------------------------------------------------------------
 
-PY = '''import os
+PY = """import os
 
 
 def count_lines(path):
@@ -304,7 +384,7 @@ class Counter:
 
     def add(self, n):
         
-'''
+"""
 CAPS = dict(
     text_document=T.TextDocumentClientCapabilities(
         inline_completion=T.InlineCompletionClientCapabilities(),
@@ -319,8 +399,13 @@ CAPS = dict(
 def engine_env(tmp_path_factory):
     """One engine for the module's servers: it stays resident between them."""
     tmp = tmp_path_factory.mktemp("engine")
-    env = dict(os.environ, WD_ENGINE_DIR=str(tmp / "run"), XDG_STATE_HOME=str(tmp / "state"),
-               WD_LSP_MODEL=str(default_model_dir()), WD_ENGINE_IDLE_TIMEOUT="60")
+    env = dict(
+        os.environ,
+        WD_ENGINE_DIR=str(tmp / "run"),
+        XDG_STATE_HOME=str(tmp / "state"),
+        WD_LSP_MODEL=str(default_model_dir()),
+        WD_ENGINE_IDLE_TIMEOUT="60",
+    )
     yield env
 
     async def stop():
@@ -335,28 +420,42 @@ def engine_env(tmp_path_factory):
 
 
 async def start_client(env, encodings=None):
-    client = await ClientServerConfig(server_command=[sys.executable, "-m", "wd_lsp"], server_env=env).start()
+    client = await ClientServerConfig(
+        server_command=[sys.executable, "-m", "wd_lsp"], server_env=env
+    ).start()
     general = T.GeneralClientCapabilities(position_encodings=encodings) if encodings else None
-    client.init_result = await client.initialize_session(T.InitializeParams(
-        capabilities=T.ClientCapabilities(general=general, **CAPS),
-        initialization_options={"debounceMs": 0, "maxTokens": 24, "warmOnChange": False},
-        root_uri="file:///project"))
+    client.init_result = await client.initialize_session(
+        T.InitializeParams(
+            capabilities=T.ClientCapabilities(general=general, **CAPS),
+            initialization_options={"debounceMs": 0, "maxTokens": 24, "warmOnChange": False},
+            root_uri="file:///project",
+        )
+    )
     return client
 
 
 def open_doc(client, uri, text):
-    client.text_document_did_open(T.DidOpenTextDocumentParams(
-        text_document=T.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)))
+    client.text_document_did_open(
+        T.DidOpenTextDocumentParams(
+            text_document=T.TextDocumentItem(uri=uri, language_id="python", version=1, text=text)
+        )
+    )
 
 
 def inline(client, uri, line, character):
-    return client.text_document_inline_completion_async(T.InlineCompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(line=line, character=character),
-        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic)))
+    return client.text_document_inline_completion_async(
+        T.InlineCompletionParams(
+            text_document=T.TextDocumentIdentifier(uri=uri),
+            position=T.Position(line=line, character=character),
+            context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+        )
+    )
 
 
 async def status(client):
-    return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+    return await client.workspace_execute_command_async(
+        T.ExecuteCommandParams(command="wdLsp.status")
+    )
 
 
 async def wait_for_engine(client):
@@ -369,7 +468,9 @@ async def wait_for_engine(client):
 
 
 async def test_utf8_client_gets_ranges_in_bytes(engine_env):
-    client = await start_client(engine_env, [T.PositionEncodingKind.Utf8, T.PositionEncodingKind.Utf16])
+    client = await start_client(
+        engine_env, [T.PositionEncodingKind.Utf8, T.PositionEncodingKind.Utf16]
+    )
     try:
         assert client.init_result.capabilities.position_encoding == "utf-8"
         uri = "file:///project/counter.py"
@@ -382,14 +483,24 @@ async def test_utf8_client_gets_ranges_in_bytes(engine_env):
         line = text.count("\n")  # the cursor: the end of the text
         # An edit in UTF-8 units: replace "ñ" (2 bytes) at the end of the line before the cursor's.
         column = len(last.encode()) - 2
-        client.text_document_did_change(T.DidChangeTextDocumentParams(
-            text_document=T.VersionedTextDocumentIdentifier(uri=uri, version=2),
-            content_changes=[T.TextDocumentContentChangePartial(
-                range=T.Range(start=T.Position(line=line - 1, character=column),
-                              end=T.Position(line=line - 1, character=column + 2)), text="n")]))
+        client.text_document_did_change(
+            T.DidChangeTextDocumentParams(
+                text_document=T.VersionedTextDocumentIdentifier(uri=uri, version=2),
+                content_changes=[
+                    T.TextDocumentContentChangePartial(
+                        range=T.Range(
+                            start=T.Position(line=line - 1, character=column),
+                            end=T.Position(line=line - 1, character=column + 2),
+                        ),
+                        text="n",
+                    )
+                ],
+            )
+        )
         text = text.replace("# ñ\n", "# n\n")
-        state = await client.workspace_execute_command_async(T.ExecuteCommandParams(
-            command="wdLsp.documentState", arguments=[uri, True]))
+        state = await client.workspace_execute_command_async(
+            T.ExecuteCommandParams(command="wdLsp.documentState", arguments=[uri, True])
+        )
         assert state["text"] == text and state["encoding"] == "utf-8"
 
         # The completion's range is where the cursor is, in bytes: a request past the line's end
@@ -397,16 +508,26 @@ async def test_utf8_client_gets_ranges_in_bytes(engine_env):
         assert (await inline(client, uri, line, 8)).items, "no completion in a method body"
         text = text + "x = 'ü'"  # a line whose bytes and UTF-16 units differ
         after_indent = T.Position(line=line, character=8)
-        client.text_document_did_change(T.DidChangeTextDocumentParams(
-            text_document=T.VersionedTextDocumentIdentifier(uri=uri, version=3),
-            content_changes=[T.TextDocumentContentChangePartial(
-                range=T.Range(start=after_indent, end=after_indent), text="x = 'ü'")]))
+        client.text_document_did_change(
+            T.DidChangeTextDocumentParams(
+                text_document=T.VersionedTextDocumentIdentifier(uri=uri, version=3),
+                content_changes=[
+                    T.TextDocumentContentChangePartial(
+                        range=T.Range(start=after_indent, end=after_indent), text="x = 'ü'"
+                    )
+                ],
+            )
+        )
         cursor = T.Position(line=line, character=8 + len("x = 'ü'".encode()))
         result = await inline(client, uri, line, 500)
         for item in result.items:
             assert item.range.start == item.range.end == cursor
-        completion = await client.text_document_completion_async(T.CompletionParams(
-            text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(line=line, character=500)))
+        completion = await client.text_document_completion_async(
+            T.CompletionParams(
+                text_document=T.TextDocumentIdentifier(uri=uri),
+                position=T.Position(line=line, character=500),
+            )
+        )
         for item in completion.items:
             assert item.text_edit.range.start == cursor
         assert result.items and completion.items
@@ -425,8 +546,9 @@ async def test_lone_surrogate_in_the_document_still_completes(engine_env, where)
         else:  # the key the engine schedules by holds the uri: the request must still be sent
             uri, text = "file:///project/surr\udc80ogate.py", PY
         open_doc(client, uri, text)
-        state = await client.workspace_execute_command_async(T.ExecuteCommandParams(
-            command="wdLsp.documentState", arguments=[uri, True]))
+        state = await client.workspace_execute_command_async(
+            T.ExecuteCommandParams(command="wdLsp.documentState", arguments=[uri, True])
+        )
         assert state["text"] == text  # the server keeps what the client sent
         await wait_for_engine(client)
         end = T.Position(line=text.count("\n"), character=0)  # PY ends with a line break

@@ -19,10 +19,16 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import ClientServerConfig
 
-from engine import protocol as P
-from engine.client import (
-    LOCK_HELD_MESSAGE, EngineClient, EngineError, EngineStarting, EngineTimeout, EngineUnavailable,
-    SpawnFailed, spawn_lock_path,
+from engine.ipc import protocol as P
+from engine.ipc.client import (
+    LOCK_HELD_MESSAGE,
+    EngineClient,
+    EngineError,
+    EngineStarting,
+    EngineTimeout,
+    EngineUnavailable,
+    SpawnFailed,
+    spawn_lock_path,
 )
 from engine.models import default_model_dir
 from wd_lsp import engine_link
@@ -31,7 +37,9 @@ from wd_lsp.engine_link import EngineLink
 from wd_lsp.shape import StopRules
 
 TIMEOUT_MS = 1500
-GUARD_S = TIMEOUT_MS / 1000 + engine_link.CLIENT_GRACE_S  # the longest a completion waits on the engine
+GUARD_S = (
+    TIMEOUT_MS / 1000 + engine_link.CLIENT_GRACE_S
+)  # the longest a completion waits on the engine
 # What a completion from a stuck engine may take, with room for the LSP round trip on a loaded
 # machine: still far below the 10 s default timeout.
 BOUND_S = GUARD_S + 3.0
@@ -50,10 +58,19 @@ CAPS = T.ClientCapabilities(
 def env(tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    environment = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp_path / "state"),
-                       WD_LSP_MODEL=str(default_model_dir()), WD_ENGINE_IDLE_TIMEOUT="30")
-    yield SimpleNamespace(vars=environment, run=run, sock=run / "engine.sock",
-                          log=tmp_path / "state" / "wd-lsp" / "engine.log")
+    environment = dict(
+        os.environ,
+        WD_ENGINE_DIR=str(run),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        WD_LSP_MODEL=str(default_model_dir()),
+        WD_ENGINE_IDLE_TIMEOUT="30",
+    )
+    yield SimpleNamespace(
+        vars=environment,
+        run=run,
+        sock=run / "engine.sock",
+        log=tmp_path / "state" / "wd-lsp" / "engine.log",
+    )
     asyncio.run(_stop_engine(environment))
 
 
@@ -62,12 +79,21 @@ async def start_lsp(env):
     clients = []
 
     async def start():
-        client = await ClientServerConfig(server_command=[sys.executable, "-m", "wd_lsp"],
-                                          server_env=env.vars).start()
+        client = await ClientServerConfig(
+            server_command=[sys.executable, "-m", "wd_lsp"], server_env=env.vars
+        ).start()
         clients.append(client)
-        await client.initialize_session(T.InitializeParams(
-            capabilities=CAPS, root_uri="file:///project",
-            initialization_options={"debounceMs": 0, "maxTokens": 16, "requestTimeoutMs": TIMEOUT_MS}))
+        await client.initialize_session(
+            T.InitializeParams(
+                capabilities=CAPS,
+                root_uri="file:///project",
+                initialization_options={
+                    "debounceMs": 0,
+                    "maxTokens": 16,
+                    "requestTimeoutMs": TIMEOUT_MS,
+                },
+            )
+        )
         return client
 
     yield start
@@ -99,19 +125,27 @@ async def engine_pid(environment) -> int:
 async def timed_inline(client):
     """A completion at the end of a fresh document: never answered from a remembered suggestion."""
     uri = f"file:///project/faults{next(DOC_NUMBERS)}.py"
-    client.text_document_did_open(T.DidOpenTextDocumentParams(text_document=T.TextDocumentItem(
-        uri=uri, language_id="python", version=1, text=PY)))
+    client.text_document_did_open(
+        T.DidOpenTextDocumentParams(
+            text_document=T.TextDocumentItem(uri=uri, language_id="python", version=1, text=PY)
+        )
+    )
     lines = PY.split("\n")
     started = time.monotonic()
-    result = await client.text_document_inline_completion_async(T.InlineCompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=uri),
-        position=T.Position(line=len(lines) - 1, character=len(lines[-1])),
-        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic)))
+    result = await client.text_document_inline_completion_async(
+        T.InlineCompletionParams(
+            text_document=T.TextDocumentIdentifier(uri=uri),
+            position=T.Position(line=len(lines) - 1, character=len(lines[-1])),
+            context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+        )
+    )
     return result.items, time.monotonic() - started
 
 
 async def status(client):
-    return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+    return await client.workspace_execute_command_async(
+        T.ExecuteCommandParams(command="wdLsp.status")
+    )
 
 
 async def wait_ready(client, limit_s=90.0):
@@ -144,7 +178,10 @@ async def test_a_stopped_engine_gives_empty_completions_and_status_in_bounded_ti
     assert await answers_normally(lsp)
     pid = await engine_pid(env.vars)
     # The engine's log: 0600 in a 0700 directory.
-    assert os.stat(env.log).st_mode & 0o777 == 0o600 and os.stat(env.log.parent).st_mode & 0o777 == 0o700
+    assert (
+        os.stat(env.log).st_mode & 0o777 == 0o600
+        and os.stat(env.log.parent).st_mode & 0o777 == 0o700
+    )
     os.kill(pid, signal.SIGSTOP)
     try:
         for _ in range(2):  # the second finds the engine still stopped, and is bounded the same
@@ -165,10 +202,16 @@ async def test_a_stopped_engine_gives_empty_completions_and_status_in_bounded_ti
 
 
 async def test_a_held_spawn_lock_gives_empty_completions_until_its_holder_lets_go(env, start_lsp):
-    hold = ("import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
-            "print('held', flush=True); sys.stdin.read()")  # until its stdin closes
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(spawn_lock_path(env.sock))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hold = (
+        "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); sys.stdin.read()"
+    )  # until its stdin closes
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(spawn_lock_path(env.sock))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         lsp = await start_lsp()
@@ -186,7 +229,9 @@ async def test_a_held_spawn_lock_gives_empty_completions_until_its_holder_lets_g
 
 
 @pytest.mark.parametrize("kind", ["file", "dir", "symlink"])
-async def test_something_else_at_the_socket_path_is_named_and_left_alone(kind, env, start_lsp, tmp_path):
+async def test_something_else_at_the_socket_path_is_named_and_left_alone(
+    kind, env, start_lsp, tmp_path
+):
     target = tmp_path / "precious.txt"
     target.write_text("keep me\n")
     if kind == "file":
@@ -385,7 +430,9 @@ async def test_while_the_model_loads_only_the_first_request_waits_the_timeout(mo
             self.connected = False
 
     link, states = make_link(monkeypatch, Loading, requestTimeoutMs=1000)
-    assert (await link.ensure_connected()).connected  # loads within the timeout: the first one waits
+    assert (
+        await link.ensure_connected()
+    ).connected  # loads within the timeout: the first one waits
     link.disconnect()
     load_s[0] = 3600.0
     started = time.monotonic()
@@ -423,7 +470,11 @@ class StandInEngine:
                 for answer in self._answers(frame):
                     writer.write(P.encode_frame(answer))
                 await writer.drain()
-        except (ConnectionError, P.FrameError, asyncio.CancelledError):  # cancelled: the test is over
+        except (
+            ConnectionError,
+            P.FrameError,
+            asyncio.CancelledError,
+        ):  # cancelled: the test is over
             pass
         finally:
             writer.close()
@@ -440,8 +491,12 @@ class StandInEngine:
 
 def stand_in_link(path: Path, timeout_ms: int = 300) -> EngineLink:
     link = EngineLink(lambda state, message: None, lambda message: None)
-    link.configure(merge_settings(Settings(), {"engine": {"socket": str(path), "autoStart": False},
-                                               "requestTimeoutMs": timeout_ms}))
+    link.configure(
+        merge_settings(
+            Settings(),
+            {"engine": {"socket": str(path), "autoStart": False}, "requestTimeoutMs": timeout_ms},
+        )
+    )
     return link
 
 
@@ -450,9 +505,14 @@ async def test_warm_and_stats_on_a_silent_engine_raise_engine_timeout(tmp_path):
         link = stand_in_link(engine.path)
         await link.ensure_connected()
         engine.answering = False
-        for call, bound_s in ((link.warm(CTX, "doc"), 0.3), (link.stats(), engine_link.STATS_TIMEOUT_S)):
+        for call, bound_s in (
+            (link.warm(CTX, "doc"), 0.3),
+            (link.stats(), engine_link.STATS_TIMEOUT_S),
+        ):
             started = time.monotonic()
-            with pytest.raises(EngineTimeout):  # what the server's handlers catch: no stray TimeoutError
+            with pytest.raises(
+                EngineTimeout
+            ):  # what the server's handlers catch: no stray TimeoutError
                 await call
             assert time.monotonic() - started < bound_s + 3.0
         assert link.client.connected  # a slow answer is no lost connection
@@ -531,8 +591,13 @@ async def test_only_the_shared_connect_task_connects(monkeypatch):
     await link.stats()
     await link.restart()
     assert [call[1:] for call in calls] == [
-        ("connect",), ("complete", False), ("warm", False), ("stats", False), ("shutdown", False),
-        ("connect",)]
+        ("connect",),
+        ("complete", False),
+        ("warm", False),
+        ("stats", False),
+        ("shutdown", False),
+        ("connect",),
+    ]
 
 
 async def test_a_failure_on_a_replaced_client_leaves_the_new_one_alone(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import ClientServerConfig
 
-from engine.client import EngineClient
+from engine.ipc.client import EngineClient
 from engine.models import default_model_dir
 
 PY = '''import os
@@ -50,13 +50,24 @@ CAPS = T.ClientCapabilities(
 
 @pytest.fixture
 async def lsp(tmp_path):
-    env = dict(os.environ, WD_ENGINE_DIR=str(tmp_path / "run"), XDG_STATE_HOME=str(tmp_path / "state"),
-               WD_LSP_MODEL=str(default_model_dir()), WD_ENGINE_IDLE_TIMEOUT="30")
-    client = await ClientServerConfig(server_command=[sys.executable, "-m", "wd_lsp"], server_env=env).start()
+    env = dict(
+        os.environ,
+        WD_ENGINE_DIR=str(tmp_path / "run"),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        WD_LSP_MODEL=str(default_model_dir()),
+        WD_ENGINE_IDLE_TIMEOUT="30",
+    )
+    client = await ClientServerConfig(
+        server_command=[sys.executable, "-m", "wd_lsp"], server_env=env
+    ).start()
     client.test_env = env
-    result = await client.initialize_session(T.InitializeParams(
-        capabilities=CAPS, initialization_options={"debounceMs": 0, "maxTokens": 24},
-        root_uri="file:///project"))
+    result = await client.initialize_session(
+        T.InitializeParams(
+            capabilities=CAPS,
+            initialization_options={"debounceMs": 0, "maxTokens": 24},
+            root_uri="file:///project",
+        )
+    )
     client.init_result = result
     await wait_until_ready(client)
     yield client
@@ -86,18 +97,27 @@ async def engine_pid(env):
 
 
 def open_doc(client, text=PY, uri=URI, language="python"):
-    client.text_document_did_open(T.DidOpenTextDocumentParams(
-        text_document=T.TextDocumentItem(uri=uri, language_id=language, version=1, text=text)))
+    client.text_document_did_open(
+        T.DidOpenTextDocumentParams(
+            text_document=T.TextDocumentItem(uri=uri, language_id=language, version=1, text=text)
+        )
+    )
 
 
 def inline(client, line, character, uri=URI):
-    return client.text_document_inline_completion_async(T.InlineCompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(line=line, character=character),
-        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic)))
+    return client.text_document_inline_completion_async(
+        T.InlineCompletionParams(
+            text_document=T.TextDocumentIdentifier(uri=uri),
+            position=T.Position(line=line, character=character),
+            context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+        )
+    )
 
 
 async def status(client):
-    return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+    return await client.workspace_execute_command_async(
+        T.ExecuteCommandParams(command="wdLsp.status")
+    )
 
 
 async def wait_until_ready(client, limit_s=120.0):
@@ -145,11 +165,20 @@ async def test_typing_through_needs_no_engine_call(lsp):
     assert first.items, "the model had nothing to say at the end of a method header"
     suggestion = first.items[0].insert_text
     calls = (await status(lsp))["engine_calls"]
-    lsp.text_document_did_change(T.DidChangeTextDocumentParams(
-        text_document=T.VersionedTextDocumentIdentifier(uri=URI, version=2),
-        content_changes=[T.TextDocumentContentChangePartial(
-            range=T.Range(start=T.Position(line=line, character=char), end=T.Position(line=line, character=char)),
-            text=suggestion[0])]))
+    lsp.text_document_did_change(
+        T.DidChangeTextDocumentParams(
+            text_document=T.VersionedTextDocumentIdentifier(uri=URI, version=2),
+            content_changes=[
+                T.TextDocumentContentChangePartial(
+                    range=T.Range(
+                        start=T.Position(line=line, character=char),
+                        end=T.Position(line=line, character=char),
+                    ),
+                    text=suggestion[0],
+                )
+            ],
+        )
+    )
     second = await inline(lsp, line, char + 1)
     assert second.items and second.items[0].insert_text == suggestion[1:]
     s = await status(lsp)
@@ -161,15 +190,21 @@ async def test_cancel_and_supersede(lsp):
     line, char = end_of_text(PY)
     await inline(lsp, 13, 8)  # the engine is up
     params = T.InlineCompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line=line, character=char),
-        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic))
+        text_document=T.TextDocumentIdentifier(uri=URI),
+        position=T.Position(line=line, character=char),
+        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+    )
     # An explicit $/cancelRequest: the server answers RequestCancelled and frees the engine's work.
-    pending = asyncio.wrap_future(lsp.protocol.send_request("textDocument/inlineCompletion", params, msg_id="to-cancel"))
+    pending = asyncio.wrap_future(
+        lsp.protocol.send_request("textDocument/inlineCompletion", params, msg_id="to-cancel")
+    )
     await asyncio.sleep(0.05)
     lsp.protocol.notify("$/cancelRequest", T.CancelParams(id="to-cancel"))
     try:
         result = await pending
-        assert isinstance(result.items, (list, tuple))  # it may have finished before the cancel arrived
+        assert isinstance(
+            result.items, (list, tuple)
+        )  # it may have finished before the cancel arrived
     except Exception as exc:  # noqa: BLE001
         assert "cancel" in str(exc).lower()
     # A newer request for the same document supersedes an older one nobody cancelled (as Neovim
@@ -186,8 +221,12 @@ async def test_cancel_and_supersede(lsp):
 async def test_plain_completion_for_clients_without_inline(lsp):
     open_doc(lsp)
     line, char = end_of_text(PY)
-    result = await lsp.text_document_completion_async(T.CompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line=line, character=char)))
+    result = await lsp.text_document_completion_async(
+        T.CompletionParams(
+            text_document=T.TextDocumentIdentifier(uri=URI),
+            position=T.Position(line=line, character=char),
+        )
+    )
     assert result.is_incomplete
     for item in result.items:
         assert item.text_edit.range.start == T.Position(line=line, character=char)
@@ -209,11 +248,14 @@ async def test_huge_binary_and_invalid_positions_are_handled(lsp):
 
 async def test_disabled_by_configuration(lsp):
     open_doc(lsp)
-    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"wdLsp": {"enabled": False}}))
+    lsp.workspace_did_change_configuration(
+        T.DidChangeConfigurationParams(settings={"wdLsp": {"enabled": False}})
+    )
     line, char = end_of_text(PY)
     assert not (await inline(lsp, line, char)).items
-    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"wdLsp": {"enabled": True,
-                                                                                           "bogus": 1}}))
+    lsp.workspace_did_change_configuration(
+        T.DidChangeConfigurationParams(settings={"wdLsp": {"enabled": True, "bogus": 1}})
+    )
     assert (await status(lsp))["enabled"] is True
 
 
@@ -234,14 +276,22 @@ async def test_engine_killed_mid_request_gives_empty_then_recovers(lsp):
     assert (await status(lsp))["engine"] == "ready"
     calls = (await status(lsp))["engine_calls"]
     result = await inline(lsp, 9, 4)
-    assert isinstance(result.items, (list, tuple)) and (await status(lsp))["engine_calls"] == calls + 1
+    assert (
+        isinstance(result.items, (list, tuple)) and (await status(lsp))["engine_calls"] == calls + 1
+    )
     assert await engine_pid(lsp.test_env) != pid
 
 
 async def test_suggestions_inside_auto_closed_brackets_keep_the_line_balanced(lsp):
     # One edit per document: an unclosed bracket elsewhere would legitimately allow a closer.
-    cases = [("            result.append(os.path.join(root, name))", "            result.append(os.path.join()", "join("),
-             ("        return len(f.readlines())", "        return len(f.read())", "len(")]
+    cases = [
+        (
+            "            result.append(os.path.join(root, name))",
+            "            result.append(os.path.join()",
+            "join(",
+        ),
+        ("        return len(f.readlines())", "        return len(f.read())", "len("),
+    ]
     for n, (old, new, before_cursor) in enumerate(cases):
         text = PY.replace(old, new)  # the editor auto-closed "(" after the user typed it
         uri = f"file:///project/brackets{n}.py"

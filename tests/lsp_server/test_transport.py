@@ -49,8 +49,11 @@ def notification(method: str, params=None) -> bytes:
 
 def inline_completion(msg_id: int) -> bytes:
     """An inline completion request for a document that is not open: the server answers no items."""
-    params = {"textDocument": {"uri": "file:///nowhere.py"}, "position": {"line": 0, "character": 0},
-              "context": {"triggerKind": 1}}
+    params = {
+        "textDocument": {"uri": "file:///nowhere.py"},
+        "position": {"line": 0, "character": 0},
+        "context": {"triggerKind": 1},
+    }
     return request(msg_id, "textDocument/inlineCompletion", params)
 
 
@@ -93,11 +96,17 @@ class ServerProcess:
     """`python -m wd_lsp [args]` with raw access to its input and framed access to its output."""
 
     def __init__(self, tmp_path: Path, *args: str):
-        env = dict(os.environ, WD_ENGINE_DIR=str(tmp_path / "run"), XDG_STATE_HOME=str(tmp_path / "state"))
+        env = dict(
+            os.environ, WD_ENGINE_DIR=str(tmp_path / "run"), XDG_STATE_HOME=str(tmp_path / "state")
+        )
         self.log_path = tmp_path / "server.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wd_lsp", "--log-file", str(self.log_path), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         self.out = Responses(self.proc.stdout, self.log)
 
     def send(self, data: bytes) -> None:
@@ -108,8 +117,18 @@ class ServerProcess:
         return self.out.response(msg_id)
 
     def initialize(self) -> None:
-        self.send(request(0, "initialize", {"processId": None, "rootUri": None, "capabilities": {},
-                                            "initializationOptions": INIT_OPTIONS}))
+        self.send(
+            request(
+                0,
+                "initialize",
+                {
+                    "processId": None,
+                    "rootUri": None,
+                    "capabilities": {},
+                    "initializationOptions": INIT_OPTIONS,
+                },
+            )
+        )
         assert "result" in self.response(0)
         self.send(notification("initialized", {}))
 
@@ -154,7 +173,9 @@ def server(tmp_path):
 
 
 def null_id_errors(process: ServerProcess) -> list[int]:
-    return [m["error"]["code"] for m in process.out.skipped if m.get("id", 0) is None and "error" in m]
+    return [
+        m["error"]["code"] for m in process.out.skipped if m.get("id", 0) is None and "error" in m
+    ]
 
 
 def responses_skipped(process: ServerProcess) -> list[dict]:
@@ -179,7 +200,9 @@ def test_body_shorter_than_declared_does_not_swallow_the_next_message(server):
 
 
 def test_body_longer_than_declared_loses_only_itself(server):
-    body = encode({"jsonrpc": "2.0", "id": 1, "method": "textDocument/inlineCompletion", "params": {}})
+    body = encode(
+        {"jsonrpc": "2.0", "id": 1, "method": "textDocument/inlineCompletion", "params": {}}
+    )
     server.send(b"Content-Length: %d\r\n\r\n" % (len(body) - 10) + body)
     server.answers(2)
     assert null_id_errors(server) == [-32700]
@@ -196,16 +219,27 @@ def test_content_type_header_is_accepted_before_or_after_the_length(server):
     body = inline_completion(1).split(b"\r\n\r\n", 1)[1]
     kind = b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n"
     server.send(kind + frame(body))
-    server.send(b"Content-Length: %d\r\n" % len(body) + kind + b"\r\n" + body.replace(b'"id": 1', b'"id": 2'))
+    server.send(
+        b"Content-Length: %d\r\n" % len(body)
+        + kind
+        + b"\r\n"
+        + body.replace(b'"id": 1', b'"id": 2')
+    )
     assert server.response(1)["result"] == {"items": []}
     assert server.response(2)["result"] == {"items": []}
 
 
-@pytest.mark.parametrize("garbage", [
-    b"garbage line\r\n", b"no line end at all", b"\x00\xff\xfe binary \r\n\r\n",
-    b"Content-Length: abc\r\n\r\n",
-    b"Content-Length: 12\r\nnot a header\r\n\r\n", b"Content-Length: 12\r\nContent-Length: 13\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"garbage line\r\n",
+        b"no line end at all",
+        b"\x00\xff\xfe binary \r\n\r\n",
+        b"Content-Length: abc\r\n\r\n",
+        b"Content-Length: 12\r\nnot a header\r\n\r\n",
+        b"Content-Length: 12\r\nContent-Length: 13\r\n\r\n",
+    ],
+)
 def test_garbage_before_a_header_is_skipped(server, garbage):
     server.send(garbage)
     server.answers(1)
@@ -230,13 +264,18 @@ def test_deeply_nested_json_gets_a_parse_error_and_the_server_lives(server):
     server.send(frame(b"[" * 100_000))
     assert server.response(None)["error"]["code"] == -32700
     deep_params = b"[" * 100_000 + b"]" * 100_000
-    server.send(frame(b'{"jsonrpc": "2.0", "id": 1, "method": "x", "params": ' + deep_params + b"}"))
+    server.send(
+        frame(b'{"jsonrpc": "2.0", "id": 1, "method": "x", "params": ' + deep_params + b"}")
+    )
     assert server.response(None)["error"]["code"] == -32700
     server.answers(2)
 
 
 def test_invalid_params_get_an_invalid_params_error(server):
-    params = {"textDocument": {"uri": "file:///nowhere.py"}, "context": {"triggerKind": 1}}  # no position
+    params = {
+        "textDocument": {"uri": "file:///nowhere.py"},
+        "context": {"triggerKind": 1},
+    }  # no position
     server.send(request(1, "textDocument/inlineCompletion", params))
     error = server.response(1)["error"]
     assert error["code"] == -32602 and "position" in error["message"]
@@ -259,14 +298,17 @@ def test_unknown_request_is_method_not_found_and_unknown_notification_ignored(se
     assert responses_skipped(server) == []  # no answer to the notification
 
 
-@pytest.mark.parametrize("message, answered_id", [
-    (b"[]", None),
-    (b'"just a string"', None),
-    (b'{"id": 1, "method": "shutdown"}', 1),  # no "jsonrpc"
-    (b'{"jsonrpc": "2.0", "id": 1, "method": 5}', 1),
-    (b'{"jsonrpc": "2.0", "id": [1], "method": "shutdown"}', None),
-    (b'{"jsonrpc": "2.0", "id": 1, "method": "shutdown", "params": 3}', 1),
-])
+@pytest.mark.parametrize(
+    "message, answered_id",
+    [
+        (b"[]", None),
+        (b'"just a string"', None),
+        (b'{"id": 1, "method": "shutdown"}', 1),  # no "jsonrpc"
+        (b'{"jsonrpc": "2.0", "id": 1, "method": 5}', 1),
+        (b'{"jsonrpc": "2.0", "id": [1], "method": "shutdown"}', None),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "shutdown", "params": 3}', 1),
+    ],
+)
 def test_invalid_request_objects_get_an_invalid_request_error(server, message, answered_id):
     server.send(frame(message))
     assert server.response(answered_id)["error"]["code"] == -32600
@@ -354,7 +396,7 @@ def test_the_log_is_never_written_through_a_symlink(tmp_path):
 
 # -- the framer in process ------------------------------------------------------------------------
 def _bodies(stream: bytes, read_size: int, max_body: int = 1 << 20) -> list[bytes]:
-    return _framed([stream[i:i + read_size] for i in range(0, len(stream), read_size)], max_body)
+    return _framed([stream[i : i + read_size] for i in range(0, len(stream), read_size)], max_body)
 
 
 def _framed(chunks: list[bytes], max_body: int = 1 << 20) -> list[bytes]:
@@ -372,20 +414,34 @@ def _framed(chunks: list[bytes], max_body: int = 1 << 20) -> list[bytes]:
     return asyncio.run(collect())
 
 
-A, B, C = (encode({"jsonrpc": "2.0", "id": i, "method": "m", "params": {"text": "x\r\n" * i}})
-           for i in (1, 2, 3))
+A, B, C = (
+    encode({"jsonrpc": "2.0", "id": i, "method": "m", "params": {"text": "x\r\n" * i}})
+    for i in (1, 2, 3)
+)
 
 
 @pytest.mark.parametrize("read_size", [1, 2, 7, 64, 1 << 16])
 def test_framer_splits_well_formed_messages_read_in_any_pieces(read_size):
     pretty = json.dumps(json.loads(B), indent=2).replace("\n", "\r\n").encode()  # raw line breaks
-    assert _bodies(frame(A) + frame(pretty) + frame(C, b"content-length"), read_size) == [A, pretty, C]
+    assert _bodies(frame(A) + frame(pretty) + frame(C, b"content-length"), read_size) == [
+        A,
+        pretty,
+        C,
+    ]
 
 
 @pytest.mark.parametrize("read_size", [1, 5, 1 << 16])
 def test_framer_recovers_from_each_framing_fault(read_size):
-    stream = (b"junk\r\n" + frame(A) + b"Content-Length: 99999999999\r\n\r\n" + frame(B)
-              + b"Content-Length: 500\r\n\r\n{\"cut\": " + frame(C) + b"Content-Length: 3\r\n\r\n" + A)
+    stream = (
+        b"junk\r\n"
+        + frame(A)
+        + b"Content-Length: 99999999999\r\n\r\n"
+        + frame(B)
+        + b'Content-Length: 500\r\n\r\n{"cut": '
+        + frame(C)
+        + b"Content-Length: 3\r\n\r\n"
+        + A
+    )
     assert _bodies(stream, read_size, max_body=1000) == [A, B, b'{"cut": ', C, A[:3]]
 
 
@@ -397,7 +453,9 @@ def test_framer_logs_one_line_per_incident(caplog):
     assert len(drops) == 2 and all("200000 bytes" in r.getMessage() for r in drops)
 
 
-@pytest.mark.parametrize("digits", [b"1" + b"0" * 29, b"9" * 5000])  # past int64; past int()'s digit limit
+@pytest.mark.parametrize(
+    "digits", [b"1" + b"0" * 29, b"9" * 5000]
+)  # past int64; past int()'s digit limit
 def test_framer_skips_lengths_of_any_number_of_digits(digits):
     assert _bodies(b"Content-Length: " + digits + b"\r\n\r\n" + frame(A), read_size=100) == [A]
 
@@ -426,9 +484,16 @@ def test_framer_keeps_the_next_header_whole_when_a_length_ends_inside_it():
     assert _framed([stream[:split], stream[split:]]) == [A, B, C]
 
 
-@pytest.mark.parametrize("body", [
-    A, b"{}\r\n", b'{"text": "}Content-Le"}', b'["x", "]content-length: 12"]', b'"}content-type: a"',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        A,
+        b"{}\r\n",
+        b'{"text": "}Content-Le"}',
+        b'["x", "]content-length: 12"]',
+        b'"}content-type: a"',
+    ],
+)
 def test_framer_never_waits_for_more_after_a_complete_valid_body(body):
     async def first_body() -> bytes:
         chunks = [frame(body)]
@@ -447,21 +512,34 @@ def test_framer_never_waits_for_more_after_a_complete_valid_body(body):
 def _faulty_streams() -> list[tuple[str, bytes, list[bytes]]]:
     """(fault, stream, the bodies expected of it): a faulty message, then B and C well framed."""
     typed_b = b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n" + frame(B)
-    cases = [(f"over by {d}", over_declared(A, d) + frame(B) + frame(C), [A, B, C])
-             for d in range(1, len(frame(B)) - len(B) + 8)]
-    cases += [(f"over by {d}, Content-Type first", over_declared(A, d) + typed_b + frame(C), None)
-              for d in range(1, len(typed_b) - len(B) + 8)]
-    cases += [(f"under by {d}", over_declared(A, -d) + frame(B) + frame(C), [A[:-d], B, C])
-              for d in (1, 2, 10, 40)]
-    cases += [(f"garbage {junk!r}", frame(A) + junk + frame(B) + frame(C), [A, B, C])
-              for junk in (b"junk\r\n", b"Content-Length: abc\r\n\r\n",
-                           b"Content-Length: 99999999999\r\n\r\n", b"content-le", b"}Content-Le\r\n")]
+    cases = [
+        (f"over by {d}", over_declared(A, d) + frame(B) + frame(C), [A, B, C])
+        for d in range(1, len(frame(B)) - len(B) + 8)
+    ]
+    cases += [
+        (f"over by {d}, Content-Type first", over_declared(A, d) + typed_b + frame(C), None)
+        for d in range(1, len(typed_b) - len(B) + 8)
+    ]
+    cases += [
+        (f"under by {d}", over_declared(A, -d) + frame(B) + frame(C), [A[:-d], B, C])
+        for d in (1, 2, 10, 40)
+    ]
+    cases += [
+        (f"garbage {junk!r}", frame(A) + junk + frame(B) + frame(C), [A, B, C])
+        for junk in (
+            b"junk\r\n",
+            b"Content-Length: abc\r\n\r\n",
+            b"Content-Length: 99999999999\r\n\r\n",
+            b"content-le",
+            b"}Content-Le\r\n",
+        )
+    ]
     return cases
 
 
 def _split_runs(stream: bytes, rng: random.Random) -> list[list[bytes]]:
     """The stream read 1 byte at a time, in two pieces at every point, and in random pieces."""
-    runs = [[stream[i:i + 1] for i in range(len(stream))]]
+    runs = [[stream[i : i + 1] for i in range(len(stream))]]
     runs += [[stream[:i], stream[i:]] for i in range(1, len(stream))]
     for _ in range(40):
         cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 12)))
@@ -475,7 +553,11 @@ def test_framer_delivers_every_valid_message_after_a_faulty_one_however_the_read
     for fault, stream, expected in _faulty_streams():
         runs = _split_runs(stream, rng)
         for chunks, bodies in zip(runs, _framed_many(runs, max_body=1000)):
-            good = bodies == expected if expected else bodies[-2:] == [B, C] and bodies[0].startswith(A)
+            good = (
+                bodies == expected
+                if expected
+                else bodies[-2:] == [B, C] and bodies[0].startswith(A)
+            )
             if not good:
                 failures.append((fault, f"{len(chunks)} reads", bodies))
     assert not failures, f"{len(failures)} runs lost a message; first: {failures[0]}"
@@ -483,6 +565,7 @@ def test_framer_delivers_every_valid_message_after_a_faulty_one_however_the_read
 
 def _framed_many(runs: list[list[bytes]], max_body: int) -> list[list[bytes]]:
     """What the framer makes of each run of chunks, all in one event loop."""
+
     async def one(chunks: list[bytes]) -> list[bytes]:
         pending = list(chunks)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.client import EngineClient
+from engine.ipc.client import EngineClient
 
 TOKEN = "test-http-token"
 
@@ -61,20 +61,41 @@ def start_engine(model_dir: Path, tmp: Path, *extra: str) -> HttpEngine:
     token_file = tmp / "http.token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)  # the engine refuses a token file that others may read
-    env = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp / "state"), WD_ENGINE_IDLE_TIMEOUT="30")
+    env = dict(
+        os.environ,
+        WD_ENGINE_DIR=str(run),
+        XDG_STATE_HOME=str(tmp / "state"),
+        WD_ENGINE_IDLE_TIMEOUT="30",
+    )
     env.pop("WD_ENGINE_HTTP_TOKEN", None)
     port = free_port()
     sock = run / "engine.sock"  # WD_ENGINE_DIR puts it there
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir),
-         "--http-port", str(port), "--http-token-file", str(token_file), *extra],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--http-port",
+            str(port),
+            "--http-token-file",
+            str(token_file),
+            *extra,
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"wd-engine serve exited with {process.returncode}: {process.stderr.read().decode()}")
+            raise RuntimeError(
+                f"wd-engine serve exited with {process.returncode}: {process.stderr.read().decode()}"
+            )
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 break

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engine.client import EngineClient
+from engine.ipc.client import EngineClient
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
@@ -21,7 +21,9 @@ def client(http_engine):
 
 @pytest.fixture
 def aclient(http_engine):
-    return openai.AsyncOpenAI(base_url=http_engine.base_url, api_key=http_engine.token, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=http_engine.base_url, api_key=http_engine.token, max_retries=0
+    )
 
 
 def test_models_and_health(client, http_engine):
@@ -34,7 +36,9 @@ def test_models_and_health(client, http_engine):
 
 
 def test_completion_not_streamed(client, http_engine):
-    result = client.completions.create(model=http_engine.model, prompt=CODE, max_tokens=8, temperature=0)
+    result = client.completions.create(
+        model=http_engine.model, prompt=CODE, max_tokens=8, temperature=0
+    )
     assert result.object == "text_completion" and result.model == http_engine.model
     choice = result.choices[0]
     assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
@@ -45,21 +49,44 @@ def test_completion_not_streamed(client, http_engine):
 
 
 def test_streamed_equals_not_streamed(client, http_engine):
-    whole = client.completions.create(model=http_engine.model, prompt=CODE, max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model=http_engine.model, prompt=CODE, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    whole = client.completions.create(
+        model=http_engine.model, prompt=CODE, max_tokens=12, temperature=0
+    )
+    chunks = list(
+        client.completions.create(
+            model=http_engine.model,
+            prompt=CODE,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
     # The same prompt again: served from the prefix cache the first request filled.
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
 async def test_async_client_streams(aclient, http_engine):
-    stream = await aclient.completions.create(model=http_engine.model, prompt=CODE, max_tokens=6, stream=True,
-                                              temperature=0.8, top_p=0.9, seed=7, stop=["\n\n"])
+    stream = await aclient.completions.create(
+        model=http_engine.model,
+        prompt=CODE,
+        max_tokens=6,
+        stream=True,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        stop=["\n\n"],
+    )
     texts = [chunk.choices[0].text async for chunk in stream]
     assert "\n\n" not in "".join(texts)
 
@@ -68,8 +95,9 @@ async def test_fim_suffix_shares_the_msgpack_prefix_cache(client, http_engine):
     """`suffix` gives a FIM prompt, laid out as the msgpack path lays it out: the same engine,
     so a msgpack request right after hits the blocks the HTTP request cached, and agrees."""
     prefix, suffix = CODE + "        self.", "\n\np = Point(1, 2)\nprint(p.x + p.y)\n"
-    http = client.completions.create(model=http_engine.model, prompt=prefix, suffix=suffix, max_tokens=10,
-                                     temperature=0)
+    http = client.completions.create(
+        model=http_engine.model, prompt=prefix, suffix=suffix, max_tokens=10, temperature=0
+    )
     engine = EngineClient(socket_path=http_engine.socket)
     try:
         stream = await engine.complete(dict(prefix=prefix, suffix=suffix, max_tokens=10))
@@ -95,8 +123,16 @@ def test_auth_refused_without_the_token(http_engine):
 
 def test_bad_parameters_are_400_and_unknown_model_404(client, http_engine):
     model = http_engine.model
-    for kwargs in (dict(max_tokens=-1), dict(temperature=-0.5), dict(n=2), dict(echo=True),
-                   dict(logprobs=2), dict(top_p=0), dict(prompt=["a", "b"]), dict(max_tokens=100_000)):
+    for kwargs in (
+        dict(max_tokens=-1),
+        dict(temperature=-0.5),
+        dict(n=2),
+        dict(echo=True),
+        dict(logprobs=2),
+        dict(top_p=0),
+        dict(prompt=["a", "b"]),
+        dict(max_tokens=100_000),
+    ):
         args = dict(model=model, prompt="x", max_tokens=2) | kwargs
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**args)
@@ -105,20 +141,35 @@ def test_bad_parameters_are_400_and_unknown_model_404(client, http_engine):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="another-model", prompt="x", max_tokens=2)
     headers = {"Authorization": f"Bearer {http_engine.token}"}
-    assert httpx.post(f"{http_engine.base_url}/completions", content=b"{not json", headers=headers).status_code == 400
+    assert (
+        httpx.post(
+            f"{http_engine.base_url}/completions", content=b"{not json", headers=headers
+        ).status_code
+        == 400
+    )
 
 
 def test_token_ids_as_prompt(client, http_engine):
-    result = client.completions.create(model=http_engine.model, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    result = client.completions.create(
+        model=http_engine.model, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0
+    )
     assert result.usage.prompt_tokens == 4
 
 
 async def test_client_disconnect_cancels_the_engine_request(http_engine):
     before = (await http_engine.wait_idle())["cancelled"]
     headers = {"Authorization": f"Bearer {http_engine.token}"}
-    body = {"model": http_engine.model, "prompt": CODE, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {
+        "model": http_engine.model,
+        "prompt": CODE,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     async with httpx.AsyncClient(timeout=30) as http:
-        async with http.stream("POST", f"{http_engine.base_url}/completions", json=body, headers=headers) as response:
+        async with http.stream(
+            "POST", f"{http_engine.base_url}/completions", json=body, headers=headers
+        ) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
@@ -130,6 +181,10 @@ async def test_client_disconnect_cancels_the_engine_request(http_engine):
     before = stats["cancelled"]
     async with httpx.AsyncClient(timeout=0.3) as http:  # not streamed: the client gives up waiting
         with pytest.raises(httpx.TimeoutException):
-            await http.post(f"{http_engine.base_url}/completions", json=dict(body, stream=False), headers=headers)
+            await http.post(
+                f"{http_engine.base_url}/completions",
+                json=dict(body, stream=False),
+                headers=headers,
+            )
     stats = await http_engine.wait_idle()
     assert stats["running"] == 0 and stats["cancelled"] == before + 1

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.openai_http import HTTP_OWNER, MAX_BODY_BYTES, HttpOptions, OpenAIFrontend
+from engine.serve.openai_http import HTTP_OWNER, MAX_BODY_BYTES, HttpOptions, OpenAIFrontend
 
 GOOD = {"prompt": "def add(a, b):\n    return", "max_tokens": 2, "temperature": 0}
 
@@ -28,8 +28,13 @@ def auth(http_engine) -> dict:
 
 def post(http_engine, content: bytes, **kwargs) -> httpx.Response:
     headers = {"Content-Type": "application/json"} | auth(http_engine) | kwargs.pop("headers", {})
-    return httpx.post(f"{http_engine.base_url}/completions", content=content, headers=headers, timeout=60,
-                      **kwargs)
+    return httpx.post(
+        f"{http_engine.base_url}/completions",
+        content=content,
+        headers=headers,
+        timeout=60,
+        **kwargs,
+    )
 
 
 def post_json(http_engine, body: dict) -> httpx.Response:
@@ -71,9 +76,11 @@ def port(http_engine) -> int:
 
 
 def raw_head(http_engine, extra: str) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {http_engine.token}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {http_engine.token}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    ).encode()
 
 
 def read_response(sock: socket.socket) -> tuple[int, bytes]:
@@ -85,7 +92,9 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+    length = next(
+        int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:")
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return int(lines[0].split()[1]), body
@@ -104,12 +113,15 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
 
 
 # -- authentication ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("value", [
-    "Bearer tökén".encode("utf-8"),
-    "Bearer tökén".encode("latin-1"),
-    "Bearer test-http-tokén".encode("utf-8"),  # the right token with a non-ASCII character added
-    b"Bearer \xff\xfe",
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Bearer tökén".encode(),
+        "Bearer tökén".encode("latin-1"),
+        "Bearer test-http-tokén".encode(),  # the right token with a non-ASCII character added
+        b"Bearer \xff\xfe",
+    ],
+)
 def test_a_non_ascii_bearer_token_is_401(http_engine, value):
     response = post(http_engine, json.dumps(GOOD).encode(), headers={"Authorization": value})
     assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
@@ -126,8 +138,9 @@ def test_deeply_nested_json_is_400(http_engine, opening, closing):
     assert "deeply" in error["message"]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"", b"\xff\xfe\xfd", b'{"prompt": "x"',
-                                     b"\xef\xbb\xbf{}"])
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"", b"\xff\xfe\xfd", b'{"prompt": "x"', b"\xef\xbb\xbf{}"]
+)
 def test_a_body_that_is_not_json_is_400(http_engine, content):
     assert_openai_error(post(http_engine, content), 400)
 
@@ -140,7 +153,9 @@ def test_json_that_is_not_an_object_is_400(http_engine, content):
 
 def test_a_body_declared_over_the_cap_is_413_before_it_is_read(http_engine):
     with socket.create_connection(("127.0.0.1", port(http_engine)), timeout=30) as sock:
-        sock.sendall(raw_head(http_engine, f"Content-Length: {MAX_BODY_BYTES + 1}\r\n"))  # and no body
+        sock.sendall(
+            raw_head(http_engine, f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")
+        )  # and no body
         status, body = read_response(sock)
     assert status == 413
     assert json.loads(body)["error"]["code"] == "request_too_large"
@@ -169,31 +184,58 @@ def test_a_client_that_leaves_inside_the_body_disturbs_nothing(http_engine):
 
 
 # -- fields of the wrong type or out of range -------------------------------------------------------
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", "x"), ("max_tokens", 2.5), ("max_tokens", True), ("prompt", 5), ("prompt", {}),
-    ("prompt", None), ("prompt", [1.5]), ("prompt", [True, 2]), ("prompt", [-1]), ("prompt", [10**30]),
-    ("prompt", [[1], [2]]), ("stop", {}), ("stop", [1]), ("stop", ["s"] * 17), ("temperature", "hot"),
-    ("temperature", -1), ("top_p", []), ("seed", "1"), ("seed", -1), ("stream", "yes"),
-    ("stream_options", 3), ("suffix", 5), ("model", 5), ("model", ["m"]), ("ignore_eos", "no"),
-    ("logit_bias", {"1": 5}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", "x"),
+        ("max_tokens", 2.5),
+        ("max_tokens", True),
+        ("prompt", 5),
+        ("prompt", {}),
+        ("prompt", None),
+        ("prompt", [1.5]),
+        ("prompt", [True, 2]),
+        ("prompt", [-1]),
+        ("prompt", [10**30]),
+        ("prompt", [[1], [2]]),
+        ("stop", {}),
+        ("stop", [1]),
+        ("stop", ["s"] * 17),
+        ("temperature", "hot"),
+        ("temperature", -1),
+        ("top_p", []),
+        ("seed", "1"),
+        ("seed", -1),
+        ("stream", "yes"),
+        ("stream_options", 3),
+        ("suffix", 5),
+        ("model", 5),
+        ("model", ["m"]),
+        ("ignore_eos", "no"),
+        ("logit_bias", {"1": 5}),
+    ],
+)
 def test_a_field_of_the_wrong_type_is_400(http_engine, field, value):
     assert_openai_error(post_json(http_engine, GOOD | {field: value}), 400)
 
 
-@pytest.mark.parametrize("max_tokens", ["4097", "1000000", "100000000000000000000000000000", "1e999", "-1"])
+@pytest.mark.parametrize(
+    "max_tokens", ["4097", "1000000", "100000000000000000000000000000", "1e999", "-1"]
+)
 def test_a_huge_or_negative_max_tokens_is_400(http_engine, max_tokens):
     body = '{"prompt": "x = ", "max_tokens": %s}' % max_tokens  # 1e999 reads as infinity
     assert_openai_error(post(http_engine, body.encode()), 400)
 
 
 def test_a_token_id_prompt_longer_than_the_context_is_400(http_engine):
-    error = assert_openai_error(post_json(http_engine, {"prompt": [1] * 200_000, "max_tokens": 1}), 400)
+    error = assert_openai_error(
+        post_json(http_engine, {"prompt": [1] * 200_000, "max_tokens": 1}), 400
+    )
     assert error["code"] == "context_length_exceeded"
 
 
 def test_a_text_prompt_far_over_the_context_is_400(http_engine):
-    """Megabytes of text: refused by its size against the context (engine.server measures it
+    """Megabytes of text: refused by its size against the context (engine.serve.daemon measures it
     before tokenizing), with OpenAI's code for it."""
     body = {"prompt": "x = 1\n" * 1_000_000, "max_tokens": 1}
     error = assert_openai_error(post_json(http_engine, body), 400)
@@ -202,11 +244,22 @@ def test_a_text_prompt_far_over_the_context_is_400(http_engine):
 
 def test_a_fim_max_tokens_that_leaves_no_room_for_the_code_is_400(http_engine):
     body = {"prompt": "def f(", "suffix": ")\n", "max_tokens": 4096}
-    assert assert_openai_error(post_json(http_engine, body), 400)["code"] == "context_length_exceeded"
+    assert (
+        assert_openai_error(post_json(http_engine, body), 400)["code"] == "context_length_exceeded"
+    )
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 3), ("logprobs", 1), ("echo", True),
-                                          ("presence_penalty", 0.5), ("frequency_penalty", 1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 2),
+        ("best_of", 3),
+        ("logprobs", 1),
+        ("echo", True),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1),
+    ],
+)
 def test_an_unsupported_option_is_a_clear_400(http_engine, field, value):
     error = assert_openai_error(post_json(http_engine, GOOD | {field: value}), 400, param=field)
     assert "not supported" in error["message"]
@@ -219,8 +272,12 @@ def test_another_model_name_is_404_with_a_readable_message(http_engine, name):
 
 
 def test_unknown_paths_and_methods_get_openai_errors(http_engine):
-    assert_openai_error(httpx.get(f"{http_engine.base_url}/completions", headers=auth(http_engine)), 405)
-    assert_openai_error(httpx.post(f"{http_engine.base_url}/chat/nothing", headers=auth(http_engine)), 404)
+    assert_openai_error(
+        httpx.get(f"{http_engine.base_url}/completions", headers=auth(http_engine)), 405
+    )
+    assert_openai_error(
+        httpx.post(f"{http_engine.base_url}/chat/nothing", headers=auth(http_engine)), 404
+    )
 
 
 # -- lone surrogates ------------------------------------------------------------------------------
@@ -228,8 +285,13 @@ def test_unknown_paths_and_methods_get_openai_errors(http_engine):
 def test_a_lone_surrogate_is_completed_as_a_replacement_character(http_engine, field):
     """JSON may escape half a UTF-16 pair ("\\ud800"); the text is completed as if each lone half
     were U+FFFD: the same prompt tokens and the same greedy text."""
-    base = {"prompt": "def f():\n    s = 'é", "suffix": "'\n    return s\n", "stop": ["\n\n"],
-            "max_tokens": 6, "temperature": 0}
+    base = {
+        "prompt": "def f():\n    s = 'é",
+        "suffix": "'\n    return s\n",
+        "stop": ["\n\n"],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
 
     def body(odd: str) -> dict:
         value = base[field]
@@ -244,8 +306,13 @@ def test_a_lone_surrogate_is_completed_as_a_replacement_character(http_engine, f
 
 def test_a_lone_surrogate_in_a_streamed_request_is_completed(http_engine):
     content = json.dumps(GOOD | {"prompt": "x = '\udfff", "stream": True}).encode()
-    with httpx.stream("POST", f"{http_engine.base_url}/completions", headers=auth(http_engine), timeout=60,
-                      content=content) as response:
+    with httpx.stream(
+        "POST",
+        f"{http_engine.base_url}/completions",
+        headers=auth(http_engine),
+        timeout=60,
+        content=content,
+    ) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and all("error" not in json.loads(x[6:]) for x in lines[:-1])
@@ -257,8 +324,9 @@ def test_a_streaming_client_that_resets_the_connection_cancels_its_request(http_
         return asyncio.run(http_engine.stats())
 
     before = asyncio.run(http_engine.wait_idle())["cancelled"]
-    body = json.dumps(GOOD | {"model": http_engine.model, "max_tokens": 400, "ignore_eos": True,
-                              "stream": True}).encode()
+    body = json.dumps(
+        GOOD | {"model": http_engine.model, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", port(http_engine)), timeout=30)
     try:
         sock.sendall(raw_head(http_engine, f"Content-Length: {len(body)}\r\n") + body)
@@ -269,7 +337,9 @@ def test_a_streaming_client_that_resets_the_connection_cancels_its_request(http_
             seen += chunk
         assert seen.startswith(b"HTTP/1.1 200")
     finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )  # close with a reset
         sock.close()
     wait_for(lambda: stats()["cancelled"] == before + 1)
     after = asyncio.run(http_engine.wait_idle())
@@ -281,8 +351,9 @@ def test_requests_over_the_http_cap_are_429_in_openai_shape(http_engine):
     """With the cap of streams in flight, one more is refused at once, and the cap frees as
     they end (their clients reset the connections)."""
     cap = HttpOptions().max_requests
-    body = json.dumps(GOOD | {"model": http_engine.model, "max_tokens": 400, "ignore_eos": True,
-                              "stream": True}).encode()
+    body = json.dumps(
+        GOOD | {"model": http_engine.model, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    ).encode()
     socks = []
     try:
         for _ in range(cap):
@@ -328,14 +399,23 @@ async def test_http_requests_share_one_owner_and_a_cap_on_those_in_flight():
     async def build_prompt(p):
         return [1, 2, 3], ""
 
-    server = SimpleNamespace(engine=engine, draining=False, model_dir=Path("stub-model"),
-                             last_client_seen=time.monotonic(), build_prompt=build_prompt)
+    server = SimpleNamespace(
+        engine=engine,
+        draining=False,
+        model_dir=Path("stub-model"),
+        last_client_seen=time.monotonic(),
+        build_prompt=build_prompt,
+    )
     frontend = OpenAIFrontend(server, HttpOptions(token="t0ken", max_requests=3))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app), base_url="http://test")
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=frontend.app), base_url="http://test"
+    )
     headers = {"Authorization": "Bearer t0ken"}
 
     def post():
-        return asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x"}, headers=headers))
+        return asyncio.ensure_future(
+            client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+        )
 
     async def submitted(n):
         async with asyncio.timeout(20):
@@ -348,7 +428,9 @@ async def test_http_requests_share_one_owner_and_a_cap_on_those_in_flight():
     refused = await client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-    unauthorized = await client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "x"})
+    unauthorized = await client.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "x"}
+    )
     assert unauthorized.status_code == 401  # a refused token takes no place
     for task in pending:  # their clients go: the engine's work is cancelled, the places freed
         task.cancel()

@@ -13,10 +13,10 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import ClientServerConfig
 
+from engine.ipc.client import EngineUnavailable
 from wd_lsp.config import Settings, merge_settings
 from wd_lsp.context import build_context
 from wd_lsp.document import Document, Position
-from engine.client import EngineUnavailable
 from wd_lsp.openai_backend import FIM_PREFIX, OpenAIBackend, fim_template_prompt
 from wd_lsp.shape import StopRules
 
@@ -27,8 +27,12 @@ NO_STOPS = StopRules(multiline=True, max_lines=1000)
 
 
 def settings_for(http_engine, **openai) -> Settings:
-    raw = {"backend": "openai", "maxTokens": 12, "temperature": 0,
-           "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token} | openai}
+    raw = {
+        "backend": "openai",
+        "maxTokens": 12,
+        "temperature": 0,
+        "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token} | openai,
+    }
     return merge_settings(Settings(), raw, warn=pytest.fail)
 
 
@@ -46,27 +50,52 @@ class States:
 
 async def raw_completion(http_engine, **body) -> dict:
     async with httpx.AsyncClient(timeout=30) as http:
-        response = await http.post(f"{http_engine.base_url}/completions", json=body,
-                                   headers={"Authorization": f"Bearer {http_engine.token}"})
+        response = await http.post(
+            f"{http_engine.base_url}/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {http_engine.token}"},
+        )
     response.raise_for_status()
     return response.json()
 
 
 def test_settings_parse_and_reject_bad_values():
     warnings = []
-    s = merge_settings(Settings(), {"backend": "openai", "openai": {
-        "baseUrl": "http://gpu-box:8000/v1", "apiKey": "k", "model": "m", "fim": "suffix"}}, warn=warnings.append)
+    s = merge_settings(
+        Settings(),
+        {
+            "backend": "openai",
+            "openai": {
+                "baseUrl": "http://gpu-box:8000/v1",
+                "apiKey": "k",
+                "model": "m",
+                "fim": "suffix",
+            },
+        },
+        warn=warnings.append,
+    )
     assert (s.backend, s.openai.base_url, s.openai.api_key, s.openai.model, s.openai.fim) == (
-        "openai", "http://gpu-box:8000/v1", "k", "m", "suffix")
+        "openai",
+        "http://gpu-box:8000/v1",
+        "k",
+        "m",
+        "suffix",
+    )
     assert not warnings
-    s2 = merge_settings(s, {"backend": "cloud", "openai": {"fim": "psm", "baseUrl": "gpu-box:8000"}}, warn=warnings.append)
+    s2 = merge_settings(
+        s,
+        {"backend": "cloud", "openai": {"fim": "psm", "baseUrl": "gpu-box:8000"}},
+        warn=warnings.append,
+    )
     assert s2 == s and len(warnings) == 3
 
 
 def test_imports_no_torch():
-    code = ("import sys\nimport wd_lsp.server, wd_lsp.openai_backend\n"
-            "heavy = [m for m in ('torch', 'triton', 'numpy', 'transformers') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys\nimport wd_lsp.server, wd_lsp.openai_backend\n"
+        "heavy = [m for m in ('torch', 'triton', 'numpy', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -75,7 +104,9 @@ async def test_template_and_suffix_fim_agree_with_the_endpoint(http_engine):
     # The Qwen-Coder template written by the client and the `suffix` FIM built by the engine
     # are the same token sequence, so greedy decoding gives the same text both ways. (At a line
     # start: elsewhere the engine heals the token at the cursor, which a raw prompt cannot.)
-    raw = await raw_completion(http_engine, prompt=fim_template_prompt(ctx), max_tokens=12, temperature=0)
+    raw = await raw_completion(
+        http_engine, prompt=fim_template_prompt(ctx), max_tokens=12, temperature=0
+    )
     answers = []
     for fim in ("template", "suffix"):
         backend = OpenAIBackend(States(), lambda m: None)
@@ -83,7 +114,10 @@ async def test_template_and_suffix_fim_agree_with_the_endpoint(http_engine):
         answer = await backend.complete(ctx, NO_STOPS, key="k")
         answers.append(answer.text)
         # the engine's listener lists its model's context (the test checkpoint's 512 tokens)
-        assert backend.state == "ready" and backend.model_info == {"name": http_engine.model, "max_context": 512}
+        assert backend.state == "ready" and backend.model_info == {
+            "name": http_engine.model,
+            "max_context": 512,
+        }
         assert answer.usage["completion_tokens"] >= 1 and answer.first_token_ms is not None
         assert (await backend.stats())["requests"] == 1
         backend.disconnect()
@@ -98,7 +132,9 @@ async def test_a_stop_rule_closes_the_stream(http_engine):
     if len(full) < 4:
         pytest.skip("the random model ended at once")
     stop = full[2:4]
-    answer = await backend.complete(ctx, StopRules(multiline=True, max_lines=1000, stop_strings=(stop,)), key="k")
+    answer = await backend.complete(
+        ctx, StopRules(multiline=True, max_lines=1000, stop_strings=(stop,)), key="k"
+    )
     assert answer.text == full[: full.find(stop)]
     backend.disconnect()
 
@@ -120,12 +156,14 @@ async def test_cancelling_a_completion_cancels_the_engine_request(http_engine):
         await task
     stats = await http_engine.wait_idle()
     assert stats["running"] == 0
-    assert stats["cancelled"] == before + 1 or stats["completed"] > 0  # cancelled, unless it had ended
+    assert (
+        stats["cancelled"] == before + 1 or stats["completed"] > 0
+    )  # cancelled, unless it had ended
     backend.disconnect()
 
 
 async def test_failures_give_one_message_then_recover(http_engine):
-    from engine.client import EngineUnavailable
+    from engine.ipc.client import EngineUnavailable
 
     states = States()
     backend = OpenAIBackend(states, lambda m: None)
@@ -138,7 +176,9 @@ async def test_failures_give_one_message_then_recover(http_engine):
     backend.configure(settings_for(http_engine))  # fixed in the settings: works again
     assert (await backend.complete(context(), NO_STOPS, key="k")).usage is not None
     assert backend.state == "ready"
-    backend.configure(settings_for(http_engine, baseUrl="http://127.0.0.1:9/v1"))  # nothing listens there
+    backend.configure(
+        settings_for(http_engine, baseUrl="http://127.0.0.1:9/v1")
+    )  # nothing listens there
     with pytest.raises(EngineUnavailable):
         await backend.complete(context(), NO_STOPS, key="k")
     assert backend.state == "error"
@@ -146,36 +186,62 @@ async def test_failures_give_one_message_then_recover(http_engine):
 
 
 # -- the whole server over stdio ------------------------------------------------------------------
-CAPS = T.ClientCapabilities(text_document=T.TextDocumentClientCapabilities(
-    inline_completion=T.InlineCompletionClientCapabilities(), synchronization=T.TextDocumentSyncClientCapabilities()))
+CAPS = T.ClientCapabilities(
+    text_document=T.TextDocumentClientCapabilities(
+        inline_completion=T.InlineCompletionClientCapabilities(),
+        synchronization=T.TextDocumentSyncClientCapabilities(),
+    )
+)
 
 
 @pytest.fixture
 async def lsp(http_engine, tmp_path):
-    env = dict(http_engine.env, XDG_STATE_HOME=str(tmp_path / "state"), WD_ENGINE_DIR=str(tmp_path / "no-engine"))
-    client = await ClientServerConfig(server_command=[sys.executable, "-m", "wd_lsp"], server_env=env).start()
-    options = {"debounceMs": 0, "maxTokens": 16, "backend": "openai",
-               "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token}}
-    await client.initialize_session(T.InitializeParams(capabilities=CAPS, initialization_options=options,
-                                                       root_uri="file:///project"))
+    env = dict(
+        http_engine.env,
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        WD_ENGINE_DIR=str(tmp_path / "no-engine"),
+    )
+    client = await ClientServerConfig(
+        server_command=[sys.executable, "-m", "wd_lsp"], server_env=env
+    ).start()
+    options = {
+        "debounceMs": 0,
+        "maxTokens": 16,
+        "backend": "openai",
+        "openai": {"baseUrl": http_engine.base_url, "apiKey": http_engine.token},
+    }
+    await client.initialize_session(
+        T.InitializeParams(
+            capabilities=CAPS, initialization_options=options, root_uri="file:///project"
+        )
+    )
     yield client
     await client.shutdown_session()
 
 
 def inline(client, line, character):
-    return client.text_document_inline_completion_async(T.InlineCompletionParams(
-        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line=line, character=character),
-        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic)))
+    return client.text_document_inline_completion_async(
+        T.InlineCompletionParams(
+            text_document=T.TextDocumentIdentifier(uri=URI),
+            position=T.Position(line=line, character=character),
+            context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+        )
+    )
 
 
 async def status(client):
-    return await client.workspace_execute_command_async(T.ExecuteCommandParams(command="wdLsp.status"))
+    return await client.workspace_execute_command_async(
+        T.ExecuteCommandParams(command="wdLsp.status")
+    )
 
 
 async def test_language_server_completes_through_the_http_endpoint(lsp, http_engine):
     before = (await http_engine.wait_idle())["requests"]
-    lsp.text_document_did_open(T.DidOpenTextDocumentParams(
-        text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)))
+    lsp.text_document_did_open(
+        T.DidOpenTextDocumentParams(
+            text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)
+        )
+    )
     for line, character in (CURSOR, (4, 4), (9, 8)):
         result = await inline(lsp, line, character)
         for item in result.items:
@@ -190,10 +256,14 @@ async def test_language_server_completes_through_the_http_endpoint(lsp, http_eng
 
 
 async def test_language_server_with_a_bad_key_logs_once_and_answers_empty(lsp, http_engine):
-    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(
-        settings={"wdLsp": {"openai": {"apiKey": "wrong"}}}))
-    lsp.text_document_did_open(T.DidOpenTextDocumentParams(
-        text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)))
+    lsp.workspace_did_change_configuration(
+        T.DidChangeConfigurationParams(settings={"wdLsp": {"openai": {"apiKey": "wrong"}}})
+    )
+    lsp.text_document_did_open(
+        T.DidOpenTextDocumentParams(
+            text_document=T.TextDocumentItem(uri=URI, language_id="python", version=1, text=PY)
+        )
+    )
     for _ in range(3):
         assert not (await inline(lsp, *CURSOR)).items
     await asyncio.sleep(0.1)
@@ -201,8 +271,11 @@ async def test_language_server_with_a_bad_key_logs_once_and_answers_empty(lsp, h
     assert len(errors) == 1 and "401" in errors[0].message
     s = await status(lsp)
     assert s["engine"] == "error" and s["errors"] == 3
-    lsp.workspace_did_change_configuration(T.DidChangeConfigurationParams(
-        settings={"wdLsp": {"openai": {"apiKey": http_engine.token}}}))
+    lsp.workspace_did_change_configuration(
+        T.DidChangeConfigurationParams(
+            settings={"wdLsp": {"openai": {"apiKey": http_engine.token}}}
+        )
+    )
     await inline(lsp, *CURSOR)
     assert (await status(lsp))["engine"] == "ready"
 
@@ -220,23 +293,42 @@ async def test_a_server_that_writes_fim_markers_as_text_is_cut_there(marker):
             return httpx.Response(200, json={"data": [{"id": "remote-coder"}]})
         bodies.append(json.loads(request.content))
         deltas = ["self.y", " = y", marker, "def other():"]
-        events = "".join(f"data: {json.dumps({'choices': [{'text': d, 'index': 0}]})}\n\n" for d in deltas)
-        return httpx.Response(200, text=events + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+        events = "".join(
+            f"data: {json.dumps({'choices': [{'text': d, 'index': 0}]})}\n\n" for d in deltas
+        )
+        return httpx.Response(
+            200, text=events + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"}
+        )
 
     backend = OpenAIBackend(States(), lambda m: None)
-    backend.configure(merge_settings(Settings(), {"backend": "openai", "maxTokens": 12,
-                                                  "openai": {"baseUrl": "http://remote.invalid/v1", "fim": "template"}},
-                                     warn=pytest.fail))
-    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    backend.configure(
+        merge_settings(
+            Settings(),
+            {
+                "backend": "openai",
+                "maxTokens": 12,
+                "openai": {"baseUrl": "http://remote.invalid/v1", "fim": "template"},
+            },
+            warn=pytest.fail,
+        )
+    )
+    backend.http = httpx.AsyncClient(
+        base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server)
+    )
     answer = await backend.complete(context(), NO_STOPS, key="k")
     assert answer.text == "self.y = y" and answer.stopped_early
     assert bodies[0]["prompt"].endswith("<|fim_middle|>") and len(bodies[0]["stop"]) == 4
     await backend.http.aclose()
 
 
-@pytest.mark.parametrize("card, context", [({"id": "remote-coder", "max_model_len": 2048}, 2048),
-                                           ({"id": "remote-coder"}, None),
-                                           ({"id": "remote-coder", "max_model_len": "big"}, None)])
+@pytest.mark.parametrize(
+    "card, context",
+    [
+        ({"id": "remote-coder", "max_model_len": 2048}, 2048),
+        ({"id": "remote-coder"}, None),
+        ({"id": "remote-coder", "max_model_len": "big"}, None),
+    ],
+)
 async def test_the_models_context_comes_from_the_servers_model_list(card, context):
     """vLLM and the engine's listener give `max_model_len`: the language server fits its context
     budget to it; a server that does not say leaves the default budget."""
@@ -245,9 +337,19 @@ async def test_the_models_context_comes_from_the_servers_model_list(card, contex
         return httpx.Response(200, json={"data": [{"id": "other", "max_model_len": 99}, card]})
 
     backend = OpenAIBackend(States(), lambda m: None)
-    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
-        "baseUrl": "http://remote.invalid/v1", "model": "remote-coder"}}, warn=pytest.fail))
-    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    backend.configure(
+        merge_settings(
+            Settings(),
+            {
+                "backend": "openai",
+                "openai": {"baseUrl": "http://remote.invalid/v1", "model": "remote-coder"},
+            },
+            warn=pytest.fail,
+        )
+    )
+    backend.http = httpx.AsyncClient(
+        base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server)
+    )
     await backend.ensure_connected()
     assert backend.model_info.get("max_context") == context
     await backend.http.aclose()
@@ -263,18 +365,42 @@ async def test_a_prompt_refused_as_too_long_is_asked_again_with_half_the_prefix(
 
     def server(request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/models"):
-            return httpx.Response(200, json={"data": [{"id": "remote-coder", "max_model_len": 1024}]})
+            return httpx.Response(
+                200, json={"data": [{"id": "remote-coder", "max_model_len": 1024}]}
+            )
         prompts.append(json.loads(request.content)["prompt"])
         if len(prompts) <= refusals:
-            return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 1024 "
-                                                                  "tokens; the prompt has 1100", "code": 400}})
+            return httpx.Response(
+                400,
+                json={
+                    "error": {
+                        "message": "This model's maximum context length is 1024 "
+                        "tokens; the prompt has 1100",
+                        "code": 400,
+                    }
+                },
+            )
         event = json.dumps({"choices": [{"text": "x = 1", "index": 0}]})
-        return httpx.Response(200, text=f"data: {event}\n\ndata: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+        return httpx.Response(
+            200,
+            text=f"data: {event}\n\ndata: [DONE]\n\n",
+            headers={"content-type": "text/event-stream"},
+        )
 
     backend = OpenAIBackend(States(), lambda m: None)
-    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
-        "baseUrl": "http://remote.invalid/v1", "fim": "template"}}, warn=pytest.fail))
-    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    backend.configure(
+        merge_settings(
+            Settings(),
+            {
+                "backend": "openai",
+                "openai": {"baseUrl": "http://remote.invalid/v1", "fim": "template"},
+            },
+            warn=pytest.fail,
+        )
+    )
+    backend.http = httpx.AsyncClient(
+        base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server)
+    )
     ctx = context()
     if answered:
         assert (await backend.complete(ctx, NO_STOPS, key="k")).text == "x = 1"
@@ -298,12 +424,21 @@ async def test_other_refusals_are_not_asked_again():
         if request.url.path.endswith("/models"):
             return httpx.Response(200, json={"data": [{"id": "remote-coder"}]})
         requests.append(request)
-        return httpx.Response(400, json={"error": {"message": "'temperature' must be a number", "code": 400}})
+        return httpx.Response(
+            400, json={"error": {"message": "'temperature' must be a number", "code": 400}}
+        )
 
     backend = OpenAIBackend(States(), lambda m: None)
-    backend.configure(merge_settings(Settings(), {"backend": "openai", "openai": {
-        "baseUrl": "http://remote.invalid/v1"}}, warn=pytest.fail))
-    backend.http = httpx.AsyncClient(base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server))
+    backend.configure(
+        merge_settings(
+            Settings(),
+            {"backend": "openai", "openai": {"baseUrl": "http://remote.invalid/v1"}},
+            warn=pytest.fail,
+        )
+    )
+    backend.http = httpx.AsyncClient(
+        base_url="http://remote.invalid/v1", transport=httpx.MockTransport(server)
+    )
     with pytest.raises(EngineUnavailable, match="temperature"):
         await backend.complete(context(), NO_STOPS, key="k")
     assert len(requests) == 1 and backend.counters["context_retries"] == 0

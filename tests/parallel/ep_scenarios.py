@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.generate import complete
+from engine.core.generate import complete
 
-PROMPTS = ["def add(a, b):\n    return", "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"]
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+]
 DECODE_STEPS = 4
 GREEDY_TOKENS = 12
 
@@ -32,5 +35,7 @@ def run(model, tokenizer) -> dict:
             step, pos = logits[:, -1].argmax(-1), pos + 1
     model.moe_path = "auto"
     for i, row in enumerate(rows):
-        results[f"greedy{i}"] = complete(model, tokenizer, row, max_tokens=GREEDY_TOKENS, stop_at_eos=False)[1].token_ids
+        results[f"greedy{i}"] = complete(
+            model, tokenizer, row, max_tokens=GREEDY_TOKENS, stop_at_eos=False
+        )[1].token_ids
     return results

@@ -2,18 +2,30 @@
 
 import sys
 
+import ep_scenarios
 import torch
 import torch.distributed as dist
 
-import ep_scenarios
-from engine.parallel import load_model_shard
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
+from engine.model.expert_parallel import load_model_shard
 
-model_dir, rank, world, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+model_dir, rank, world, store, out = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5],
+)
 # A file store: no port to pick, and no clash between tests run side by side.
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 try:
     model = load_model_shard(model_dir, dtype=torch.float32)
-    torch.save({"experts": model.layers[0].w_gate_up.shape[0], **ep_scenarios.run(model, Tokenizer.from_dir(model_dir))}, out)
+    torch.save(
+        {
+            "experts": model.layers[0].w_gate_up.shape[0],
+            **ep_scenarios.run(model, Tokenizer.from_dir(model_dir)),
+        },
+        out,
+    )
 finally:
     dist.destroy_process_group()

@@ -10,10 +10,10 @@ import ep_scenarios
 import pytest
 import torch
 
-from engine import parallel
-from engine.generate import complete
-from engine.loader import load_model
-from engine.tokenizer import Tokenizer
+from engine.core.generate import complete
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
+from engine.model import expert_parallel as parallel
 from kernels import reference as ref
 
 HERE = Path(__file__).parent
@@ -35,8 +35,19 @@ def _run_ranks(model_dir: Path, world: int, tmp_path: Path) -> list[dict]:
     outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "ep_worker.py"), str(model_dir), str(r), str(world), str(tmp_path / "store"), str(outs[r])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+            [
+                sys.executable,
+                str(HERE / "ep_worker.py"),
+                str(model_dir),
+                str(r),
+                str(world),
+                str(tmp_path / "store"),
+                str(outs[r]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
         )
         for r in range(world)
     ]
@@ -62,7 +73,9 @@ def test_ranks_match_single_process(checkpoint_factory, tmp_path, world, variant
     ranks = _run_ranks(path, world, tmp_path)
     expected = ep_scenarios.run(load_model(path), Tokenizer.from_dir(path))
     experts = load_model(path).config.num_experts
-    assert [r.pop("experts") for r in ranks] == [len(parallel.expert_range(experts, r, world)) for r in range(world)]
+    assert [r.pop("experts") for r in ranks] == [
+        len(parallel.expert_range(experts, r, world)) for r in range(world)
+    ]
     for key, want in expected.items():
         if key.startswith("greedy"):
             assert all(r[key] == want for r in ranks), key
@@ -78,9 +91,28 @@ def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
     model, tokenizer = load_model(path), Tokenizer.from_dir(path)
     expected, _ = complete(model, tokenizer, tokenizer.encode(prompt), max_tokens=16)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "engine.parallel", "--model", str(path), "--prompt", prompt, "--max-tokens", "16", "--device", "cpu"],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "engine.model.expert_parallel",
+            "--model",
+            str(path),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "16",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected and expected
@@ -89,9 +121,25 @@ def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
 def test_bench_on_random_weights_runs_on_uneven_ranks():
     """The multi-GPU measuring command, at a tiny shape on 3 CPU ranks (8 experts: 3 + 3 + 2)."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         "-m", "engine.parallel", "--random-shape", "tiny", "--bench", "--device", "cpu"],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "-m",
+            "engine.model.expert_parallel",
+            "--random-shape",
+            "tiny",
+            "--bench",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(),
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # rank 0 alone prints
@@ -125,7 +173,14 @@ def test_local_partials_sum_to_the_whole_layer(tokens, world):
         for r in range(world):
             rg = parallel.expert_range(e, r, world)
             local = (ids >= rg.start) & (ids < rg.stop)
-            total += local_fn(x, w_gate_up[rg.start : rg.stop], w_down[rg.start : rg.stop], ids - rg.start, weights, local).double()
+            total += local_fn(
+                x,
+                w_gate_up[rg.start : rg.stop],
+                w_down[rg.start : rg.stop],
+                ids - rg.start,
+                weights,
+                local,
+            ).double()
         assert _max_rel(total, whole) < 1e-5
 
 

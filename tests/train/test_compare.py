@@ -11,7 +11,7 @@ def test_mcnemar_exact_matches_the_binomial_tail():
     assert mcnemar_exact(5, 5) == 1.0  # balanced: no evidence either way
     assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)  # 2 * P(X <= 0), X ~ Bin(6, 1/2)
     assert mcnemar_exact(33, 43) == mcnemar_exact(43, 33)
-    by_hand = 2 * sum(math.comb(76, i) for i in range(34)) / 2 ** 76
+    by_hand = 2 * sum(math.comb(76, i) for i in range(34)) / 2**76
     assert mcnemar_exact(33, 43) == pytest.approx(by_hand)
     assert 0.29 < by_hand < 0.31
 
@@ -22,11 +22,27 @@ def _write(path, rows):
 
 def test_compare_counts_discordant_tasks_and_scores(tmp_path, capsys):
     def row(task, middle, pred):
-        return {"kind": "single", "order": "spm", "task": task, "middle": middle, "pred": pred,
-                "exact": pred.rstrip() == middle.rstrip()}
+        return {
+            "kind": "single",
+            "order": "spm",
+            "task": task,
+            "middle": middle,
+            "pred": pred,
+            "exact": pred.rstrip() == middle.rstrip(),
+        }
 
-    old = [row("a", "x = 1", "x = 1"), row("b", "y = 2", "y = 3"), row("c", "z", ""), row("d", "q", "q")]
-    new = [row("a", "x = 1", "x = 1"), row("b", "y = 2", "y = 2"), row("c", "z", "z"), row("e", "w", "w")]
+    old = [
+        row("a", "x = 1", "x = 1"),
+        row("b", "y = 2", "y = 3"),
+        row("c", "z", ""),
+        row("d", "q", "q"),
+    ]
+    new = [
+        row("a", "x = 1", "x = 1"),
+        row("b", "y = 2", "y = 2"),
+        row("c", "z", "z"),
+        row("e", "w", "w"),
+    ]
     _write(tmp_path / "old.jsonl", old)
     _write(tmp_path / "new.jsonl", new)
     result = compare(load_details(tmp_path / "old.jsonl"), load_details(tmp_path / "new.jsonl"))
@@ -40,7 +56,13 @@ def test_compare_counts_discordant_tasks_and_scores(tmp_path, capsys):
 
 
 def test_compare_refuses_files_without_shared_tasks(tmp_path):
-    _write(tmp_path / "a.jsonl", [{"kind": "single", "order": "spm", "task": "a", "middle": "", "pred": "", "exact": True}])
-    _write(tmp_path / "b.jsonl", [{"kind": "single", "order": "spm", "task": "b", "middle": "", "pred": "", "exact": True}])
+    _write(
+        tmp_path / "a.jsonl",
+        [{"kind": "single", "order": "spm", "task": "a", "middle": "", "pred": "", "exact": True}],
+    )
+    _write(
+        tmp_path / "b.jsonl",
+        [{"kind": "single", "order": "spm", "task": "b", "middle": "", "pred": "", "exact": True}],
+    )
     with pytest.raises(SystemExit):
         compare(load_details(tmp_path / "a.jsonl"), load_details(tmp_path / "b.jsonl"))

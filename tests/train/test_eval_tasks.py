@@ -8,8 +8,13 @@ from engine.train.fim_tasks import make_tasks
 from engine.train.metrics import clustered_interval, wilson_interval
 
 DOCS = [
-    (f"doc{d}", "".join(f"{'    ' * (i % 3)}value_{d}_{i} = compute({i}, {d})\n" + ("\n" if i % 4 == 0 else "")
-                        for i in range(20 + d)))
+    (
+        f"doc{d}",
+        "".join(
+            f"{'    ' * (i % 3)}value_{d}_{i} = compute({i}, {d})\n" + ("\n" if i % 4 == 0 else "")
+            for i in range(20 + d)
+        ),
+    )
     for d in range(6)
 ]
 
@@ -21,9 +26,11 @@ def test_more_tasks_per_file_keep_the_first_and_take_distinct_lines(kind):
     assert len(one) == len(DOCS) and len(four) == 4 * len(DOCS)
     assert four[::4] == one  # the first task of each file does not depend on per_file
     for d, (doc_id, text) in enumerate(DOCS):
-        tasks = four[4 * d: 4 * d + 4]
+        tasks = four[4 * d : 4 * d + 4]
         assert [t.doc_id for t in tasks] == [doc_id, f"{doc_id}#1", f"{doc_id}#2", f"{doc_id}#3"]
-        starts = {len(t.prefix) for t in tasks}  # short files: nothing trimmed, so this is the position
+        starts = {
+            len(t.prefix) for t in tasks
+        }  # short files: nothing trimmed, so this is the position
         assert len(starts) == 4
         for t in tasks:
             assert t.prefix + t.middle + t.suffix == text and t.middle.strip()
@@ -33,11 +40,15 @@ def test_context_budgets_trim_at_line_boundaries_and_keep_the_tasks():
     long_docs = [(doc_id, text * 40) for doc_id, text in DOCS]
     short = make_tasks(long_docs, "single", seed=3, per_file=3, prefix_chars=300, suffix_chars=200)
     wide = make_tasks(long_docs, "single", seed=3, per_file=3, prefix_chars=5000, suffix_chars=3000)
-    assert [(t.doc_id, t.middle) for t in short] == [(t.doc_id, t.middle) for t in wide]  # same lines
+    assert [(t.doc_id, t.middle) for t in short] == [
+        (t.doc_id, t.middle) for t in wide
+    ]  # same lines
     for s, w in zip(short, wide):
         assert len(s.prefix) <= 300 and len(s.suffix) <= 200
         assert w.prefix.endswith(s.prefix) and w.suffix.startswith(s.suffix)
-        assert s.prefix == "" or w.prefix[len(w.prefix) - len(s.prefix) - 1] == "\n"  # cut at a line start
+        assert (
+            s.prefix == "" or w.prefix[len(w.prefix) - len(s.prefix) - 1] == "\n"
+        )  # cut at a line start
         assert s.suffix == w.suffix or s.suffix.endswith("\n")  # cut after a line's end
     assert sum(len(w.prefix) > 300 for w in wide) > len(wide) // 2
 

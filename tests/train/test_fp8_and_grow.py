@@ -1,29 +1,54 @@
-"""Block-scaled FP8 weights (engine/fp8.py), quantization-aware training, the FP8 export read by the
+"""Block-scaled FP8 weights (engine/loading/fp8.py), quantization-aware training, the FP8 export read by the
 engine and by transformers, and widening the experts without changing the model's function."""
+
 import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import (
+    engine_logits,
+    max_rel,
+    quantizable_training_config,
+    row_scaled_weights,
+    scaled_training_model,
+)
 from safetensors import safe_open
 
-from engine.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, block_scales, dequantize, fake_quantize, quantize
+from engine.loading.fp8 import (
+    FP8,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    block_scales,
+    dequantize,
+    fake_quantize,
+    quantize,
+)
 from engine.train.config import CONFIG
 from engine.train.grow import expert_width, widen_experts
 from engine.train.model import Linear, Qwen3MoeLM
 
-from checkpoints import (engine_logits, max_rel, quantizable_training_config, row_scaled_weights,
-                         scaled_training_model)
-
 BLOCK = 32
-SHAPES = [(64, 96), (130, 70)]  # every dim a multiple of the block; neither dim one (ragged last blocks)
+SHAPES = [
+    (64, 96),
+    (130, 70),
+]  # every dim a multiple of the block; neither dim one (ragged last blocks)
 BLOCK2 = (BLOCK, BLOCK)  # as config.json's weight_block_size gives it to dequantize
 
 # Projections 48x64, 32x48, 32x48 (experts), 48x32: all multiples of 16.
-TINY = {**CONFIG, "vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32}
+TINY = {
+    **CONFIG,
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
 
 _weights = row_scaled_weights
 
@@ -100,22 +125,31 @@ def test_dequantize_takes_rows_then_columns_of_a_rectangular_block():
     """weight_block_size is [rows, cols]: element (i, j) takes the scale of block (i // rows, j // cols)."""
     g = torch.Generator().manual_seed(11)
     q = (torch.rand(130, 70, generator=g) * 400 - 200).to(FP8)
-    s = torch.exp2(torch.randint(-12, -2, (9, 3), generator=g).float())  # ceil(130 / 16), ceil(70 / 32)
+    s = torch.exp2(
+        torch.randint(-12, -2, (9, 3), generator=g).float()
+    )  # ceil(130 / 16), ceil(70 / 32)
     rows, cols = torch.arange(130)[:, None] // 16, torch.arange(70)[None, :] // 32
     assert torch.equal(dequantize(q, s, (16, 32)), q.float() * s[rows, cols])
-    with pytest.raises(ValueError, match=r"blocks of 32x16 needs a scale grid \(5, 5\), got \(9, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"blocks of 32x16 needs a scale grid \(5, 5\), got \(9, 3\)"
+    ):
         dequantize(q, s, (32, 16))
 
 
 def test_dequantize_rejects_a_grid_that_is_not_the_blocks_grid():
     q, s = quantize(_weights((64, 64)), BLOCK)
     assert torch.equal(dequantize(q, s, BLOCK2), _reference_dequantize(q, s, BLOCK))
-    with pytest.raises(ValueError, match=r"\(64, 64\) in blocks of 32x32 needs a scale grid \(2, 2\), got \(33, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(64, 64\) in blocks of 32x32 needs a scale grid \(2, 2\), got \(33, 2\)",
+    ):
         dequantize(q, torch.ones(33, 2), BLOCK2)  # no block size gives 33 row blocks of 64 rows
     with pytest.raises(ValueError, match=r"\(65, 2\)"):
         dequantize(q, torch.ones(65, 2), BLOCK2)  # more row blocks than rows
     with pytest.raises(ValueError, match=r"\(4, 4\)"):
-        dequantize(q, torch.ones(4, 4), BLOCK2)  # block 16's grid: the config's block decides, not the grid
+        dequantize(
+            q, torch.ones(4, 4), BLOCK2
+        )  # block 16's grid: the config's block decides, not the grid
     with pytest.raises(ValueError, match=r"needs a scale grid \(2, 2\), got \(2,\)"):
         dequantize(q, torch.ones(2), BLOCK2)
 
@@ -195,7 +229,9 @@ def test_widened_experts_compute_the_same_function(dense):
 
     # The new units are live (their gate/up rows are random), so training can move their down columns.
     F.cross_entropy(after.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
-    new_down_grads = [m.down_proj.weight.grad[:, 32:] for layer in wide.model.layers for m in layer.mlp.experts]
+    new_down_grads = [
+        m.down_proj.weight.grad[:, 32:] for layer in wide.model.layers for m in layer.mlp.experts
+    ]
     assert sum(int(g.abs().sum() > 0) for g in new_down_grads) > len(new_down_grads) // 2
 
 
@@ -218,8 +254,10 @@ def test_widen_experts_layout():
             assert not g[:, 32:].any()
         else:
             assert g is t, name
-    assert not torch.equal(widen_experts(weights, 40, std=0.02, seed=4)["model.layers.0.mlp.experts.0.up_proj.weight"],
-                           grown["model.layers.0.mlp.experts.0.up_proj.weight"])
+    assert not torch.equal(
+        widen_experts(weights, 40, std=0.02, seed=4)["model.layers.0.mlp.experts.0.up_proj.weight"],
+        grown["model.layers.0.mlp.experts.0.up_proj.weight"],
+    )
     same = widen_experts(weights, 32)
     assert all(torch.equal(same[k], v) for k, v in weights.items())
 
@@ -311,8 +349,16 @@ def _export(root, block, config=EXPORT_TINY):
     mp = pytest.MonkeyPatch()
     mp.setattr(export, "CONFIG", config)
     try:
-        export.main(["--ckpt", str(root / "run" / "ckpt"), "--model-dir", str(model_dir),
-                     "--fp8-block", str(block)])
+        export.main(
+            [
+                "--ckpt",
+                str(root / "run" / "ckpt"),
+                "--model-dir",
+                str(model_dir),
+                "--fp8-block",
+                str(block),
+            ]
+        )
     finally:
         mp.undo()
     return model, model_dir
@@ -334,7 +380,11 @@ EXPORTS = ["fp8_export", "ragged_fp8_export"]
 
 
 def _block_of(model_dir):
-    return tuple(json.loads((model_dir / "config.json").read_text())["quantization_config"]["weight_block_size"])
+    return tuple(
+        json.loads((model_dir / "config.json").read_text())["quantization_config"][
+            "weight_block_size"
+        ]
+    )
 
 
 def test_fp8_export_layout(fp8_export):
@@ -342,9 +392,15 @@ def test_fp8_export_layout(fp8_export):
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["moe_intermediate_size"] == 32 and cfg["hidden_size"] == 64
     quant = cfg["quantization_config"]
-    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [EXPORT_BLOCK, EXPORT_BLOCK]
-    assert set(quant["modules_to_not_convert"]) >= {"model.embed_tokens", "model.layers.0.mlp.gate",
-                                                    "model.layers.1.mlp.gate"}
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [
+        EXPORT_BLOCK,
+        EXPORT_BLOCK,
+    ]
+    assert set(quant["modules_to_not_convert"]) >= {
+        "model.embed_tokens",
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    }
     assert json.loads((model_dir / "training_state.json").read_text())["step"] == 3
 
     state = model.state_dict()
@@ -361,15 +417,19 @@ def test_fp8_export_layout(fp8_export):
                 assert tuple(s.shape) == tuple(math.ceil(n / EXPORT_BLOCK) for n in t.shape), name
                 assert _is_power_of_two(s), name
                 # What the QAT forward pass used, bit for bit.
-                assert torch.equal(dequantize(t, s, (EXPORT_BLOCK, EXPORT_BLOCK)),
-                                   fake_quantize(state[name], EXPORT_BLOCK)), name
+                assert torch.equal(
+                    dequantize(t, s, (EXPORT_BLOCK, EXPORT_BLOCK)),
+                    fake_quantize(state[name], EXPORT_BLOCK),
+                ), name
             else:  # embedding, router, norms
                 assert t.dtype == torch.bfloat16, name
                 assert torch.equal(t.float(), state[name]), name
 
 
 def _ids():
-    return torch.randint(0, EXPORT_TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(10))
+    return torch.randint(
+        0, EXPORT_TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(10)
+    )
 
 
 def test_engine_loads_the_fp8_export_as_trained(fp8_export):
@@ -416,8 +476,10 @@ def test_qat_checkpoint_keeps_the_unrounded_weights(export, request):
     projections = {name + ".weight" for name in _projections(model)}
     for name, t in saved.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, state[name].to(torch.bfloat16)), name
-    assert any(not torch.equal(saved[n].float(), fake_quantize(state[n], _block_of(model_dir)[0]).detach())
-               for n in projections)
+    assert any(
+        not torch.equal(saved[n].float(), fake_quantize(state[n], _block_of(model_dir)[0]).detach())
+        for n in projections
+    )
 
 
 @pytest.mark.parametrize("export", EXPORTS)
@@ -452,7 +514,9 @@ def test_resuming_from_an_fp8_export_reads_its_dequantized_weights(export, reque
             stored = f.get_tensor(name)
             if stored.dtype == FP8:
                 n_fp8 += 1
-                assert torch.equal(t.float(), dequantize(stored, f.get_tensor(name + SCALE_SUFFIX), block)), name
+                assert torch.equal(
+                    t.float(), dequantize(stored, f.get_tensor(name + SCALE_SUFFIX), block)
+                ), name
             else:
                 assert torch.equal(t, stored), name
     assert n_fp8 == len(_projections(model))
@@ -488,11 +552,45 @@ def _resume_one_step(tmp_path, monkeypatch, *grow_args):
     (corpus / "heldout.jsonl").write_text("".join(json.dumps({"text": d * 4}) + "\n" for d in docs))
     monkeypatch.setattr(plot, "plot_loss", lambda *a: None)  # matplotlib is slow to import
     out = tmp_path / "out"
-    train.main(["--corpus", str(corpus), "--model-dir", str(model_dir), "--out", str(out),
-                "--resume", str(model_dir), *grow_args, "--fp8-block", str(EXPORT_BLOCK),
-                "--workers", "0", "--max-steps", "1", "--device", "cpu", "--moe", "sparse", "--compile", "off",
-                "--seq-len", "32", "--batch-rows", "2", "--micro-rows", "2", "--heldout-rows", "2",
-                "--lr", "0", "--warmup-steps", "1", "--log-every", "1"])
+    train.main(
+        [
+            "--corpus",
+            str(corpus),
+            "--model-dir",
+            str(model_dir),
+            "--out",
+            str(out),
+            "--resume",
+            str(model_dir),
+            *grow_args,
+            "--fp8-block",
+            str(EXPORT_BLOCK),
+            "--workers",
+            "0",
+            "--max-steps",
+            "1",
+            "--device",
+            "cpu",
+            "--moe",
+            "sparse",
+            "--compile",
+            "off",
+            "--seq-len",
+            "32",
+            "--batch-rows",
+            "2",
+            "--micro-rows",
+            "2",
+            "--heldout-rows",
+            "2",
+            "--lr",
+            "0",
+            "--warmup-steps",
+            "1",
+            "--log-every",
+            "1",
+        ]
+    )
     return model, model_dir, config, out
 
 
@@ -506,7 +604,10 @@ def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkey
 
     state = checkpoint.load_state(out / "ckpt")
     assert state["step"] == 4
-    assert state["runs"][-1]["widened_experts"] == [32, 64] and state["runs"][-1]["fp8_block"] == EXPORT_BLOCK
+    assert (
+        state["runs"][-1]["widened_experts"] == [32, 64]
+        and state["runs"][-1]["fp8_block"] == EXPORT_BLOCK
+    )
     assert state["runs"][-1]["start_step"] == 3 and state["runs"][-1]["end_step"] == 4
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     step = next(r for r in log if r.get("step") == 4 and "loss" in r)
@@ -529,7 +630,9 @@ def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkey
     wide = Qwen3MoeLM({**config, "moe_intermediate_size": 64})
     wide.load_state_dict({k: v.float() for k, v in saved.items()})
     wide.set_fp8_training(EXPORT_BLOCK)
-    ids = torch.randint(0, config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(12))
+    ids = torch.randint(
+        0, config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(12)
+    )
     with torch.no_grad():
         want, _ = model(ids)
         got, _ = wide(ids)
@@ -540,29 +643,35 @@ def test_training_resumes_from_an_fp8_export_with_wider_experts(tmp_path, monkey
 def test_an_all_zero_block_gets_a_normal_scale():
     """Widened experts start with all-zero down_proj blocks: a subnormal scale there is flushed
     to 0 on a GPU, and 0 / 0 turned a whole training run into NaN."""
-    from engine.fp8 import block_scales, fake_quantize
+    from engine.loading.fp8 import block_scales, fake_quantize
 
     w = torch.zeros(128, 128)
     w[:64, :64] = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)) * 0.02
     scales = block_scales(w, 64)
     assert (scales >= torch.finfo(torch.float32).tiny).all()  # normal, so no flush-to-zero
     rounded = fake_quantize(w, 64)
-    assert torch.isfinite(rounded).all() and (rounded[64:] == 0).all() and (rounded[:, 64:] == 0).all()
+    assert (
+        torch.isfinite(rounded).all() and (rounded[64:] == 0).all() and (rounded[:, 64:] == 0).all()
+    )
 
 
 def test_export_writes_the_expert_width_the_checkpoint_has(tmp_path, monkeypatch):
     """A widened run's checkpoint exports with its own moe_intermediate_size, not CONFIG's."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
     from engine.train import checkpoint, export
 
     wide = {**EXPORT_TINY, "moe_intermediate_size": EXPORT_TINY["moe_intermediate_size"] * 2}
     model = _model(wide, seed=11)
-    checkpoint.save(model, {"step": 1, "tokens_seen": 1, "train_seconds": 0.0, "runs": []}, tmp_path / "ckpt")
+    checkpoint.save(
+        model, {"step": 1, "tokens_seen": 1, "train_seconds": 0.0, "runs": []}, tmp_path / "ckpt"
+    )
     monkeypatch.setattr(export, "CONFIG", EXPORT_TINY)
     export.export(tmp_path / "ckpt", tmp_path / "model")
     written = json.loads((tmp_path / "model" / "config.json").read_text())
     assert written["moe_intermediate_size"] == wide["moe_intermediate_size"]
-    assert load_model(tmp_path / "model").layers[0].w_down.shape[-1] == wide["moe_intermediate_size"]
+    assert (
+        load_model(tmp_path / "model").layers[0].w_down.shape[-1] == wide["moe_intermediate_size"]
+    )
 
 
 # --- adding experts --------------------------------------------------------------------------------
@@ -582,6 +691,7 @@ def test_router_loads_count_every_top_k_slot():
         layer = model.model.layers[0]
         x = model.model.embed_tokens(ids)
         from engine.train.model import rope_cos_sin
+
         cos, sin = rope_cos_sin(torch.arange(11), TINY["head_dim"], TINY["rope_theta"])
         h = layer.post_attention_layernorm(x + layer.self_attn(layer.input_layernorm(x), cos, sin))
         _, top_i, _ = layer.mlp.route(h.reshape(-1, TINY["hidden_size"]))
@@ -604,16 +714,22 @@ def test_added_experts_copy_the_busiest_with_near_zero_router_rows():
         assert router[8:].abs().max() > 0 and router[8:].float().std() < 2e-3
         for j, source in enumerate(busiest):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                assert torch.equal(grown[f"{prefix}.experts.{8 + j}.{proj}.weight"],
-                                   weights[f"{prefix}.experts.{source}.{proj}.weight"])
+                assert torch.equal(
+                    grown[f"{prefix}.experts.{8 + j}.{proj}.weight"],
+                    weights[f"{prefix}.experts.{source}.{proj}.weight"],
+                )
     for name, t in weights.items():
         assert name.endswith("gate.weight") or grown[name] is t, name
     again = add_experts(weights, 12, loads, router_std=1e-3, seed=3)
-    assert torch.equal(again["model.layers.0.mlp.gate.weight"], grown["model.layers.0.mlp.gate.weight"])
+    assert torch.equal(
+        again["model.layers.0.mlp.gate.weight"], grown["model.layers.0.mlp.gate.weight"]
+    )
     # More new experts than old ones: the copies go round the busiest again.
     many = add_experts(weights, 19, loads)
-    assert torch.equal(many["model.layers.1.mlp.experts.16.up_proj.weight"],
-                       weights["model.layers.1.mlp.experts.7.up_proj.weight"])
+    assert torch.equal(
+        many["model.layers.1.mlp.experts.16.up_proj.weight"],
+        weights["model.layers.1.mlp.experts.7.up_proj.weight"],
+    )
     with pytest.raises(ValueError, match="cannot drop experts"):
         add_experts(weights, 6, loads)
 
@@ -631,7 +747,9 @@ def test_added_experts_leave_tokens_whose_top_k_logits_are_positive_unchanged():
     seen = []
     with torch.no_grad():
         loads = router_loads(model, ids)
-        hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out))
+        hook = model.model.layers[0].mlp.gate.register_forward_hook(
+            lambda m, i, out: seen.append(out)
+        )
         before, _ = model(ids)
     hook.remove()
     second_best = torch.cat(seen).topk(2, dim=-1).values[:, 1].reshape(4, 16)
@@ -651,7 +769,7 @@ def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeyp
     """`train --resume FP8_EXPORT --add-experts 6`, one step at lr 0 on the CPU: the checkpoint holds
     the export's weights and two copies of experts per layer; its export says 6 experts, and the
     engine loads it."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
     from engine.train import checkpoint, export
     from engine.train.grow import expert_count
 
@@ -669,8 +787,10 @@ def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeyp
     for layer in range(2):  # each new expert is one of the old ones
         for new in (4, 5):
             up = saved[f"model.layers.{layer}.mlp.experts.{new}.up_proj.weight"]
-            assert any(torch.equal(up, exported[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"])
-                       for e in range(4))
+            assert any(
+                torch.equal(up, exported[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"])
+                for e in range(4)
+            )
 
     monkeypatch.setattr(export, "CONFIG", config)
     export.export(out / "ckpt", tmp_path / "grown", EXPORT_BLOCK)
@@ -678,10 +798,13 @@ def test_training_resumes_from_an_fp8_export_with_more_experts(tmp_path, monkeyp
     assert load_model(tmp_path / "grown").layers[0].w_down.shape[0] == 6
 
 
-@pytest.mark.parametrize("grow_args, refusal", [
-    (["--widen-experts", "16"], "--widen-experts 16 is narrower than the experts \\(32\\)"),
-    (["--add-experts", "3"], "--add-experts 3 is fewer than the experts \\(4\\)"),
-])
+@pytest.mark.parametrize(
+    "grow_args, refusal",
+    [
+        (["--widen-experts", "16"], "--widen-experts 16 is narrower than the experts \\(32\\)"),
+        (["--add-experts", "3"], "--add-experts 3 is fewer than the experts \\(4\\)"),
+    ],
+)
 def test_training_refuses_to_shrink_the_experts(tmp_path, grow_args, refusal):
     """A checkpoint's experts (4 of them, 32 wide here) can grow, never shrink: a smaller size or
     count is refused before any data is read."""
@@ -690,8 +813,25 @@ def test_training_refuses_to_shrink_the_experts(tmp_path, grow_args, refusal):
     from engine.train import train
 
     tok = build_tokenizer()
-    _, model_dir = _export(tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()})
+    _, model_dir = _export(
+        tmp_path, EXPORT_BLOCK, {**EXPORT_TINY, "vocab_size": tok.get_vocab_size()}
+    )
     tok.save(str(model_dir / "tokenizer.json"))
     with pytest.raises(SystemExit, match=refusal):
-        train.main(["--corpus", str(tmp_path / "no-corpus"), "--model-dir", str(model_dir), "--out", str(tmp_path / "out"),
-                    "--resume", str(model_dir), *grow_args, "--device", "cpu", "--workers", "0"])
+        train.main(
+            [
+                "--corpus",
+                str(tmp_path / "no-corpus"),
+                "--model-dir",
+                str(model_dir),
+                "--out",
+                str(tmp_path / "out"),
+                "--resume",
+                str(model_dir),
+                *grow_args,
+                "--device",
+                "cpu",
+                "--workers",
+                "0",
+            ]
+        )

@@ -36,8 +36,14 @@ def test_fim_exact_counts_rows_whose_every_scored_token_is_the_argmax():
     mask[:, 4:7] = True  # the middle and its end
     wrong = {(1, 5), (2, 1), (3, 6), (3, 2)}  # rows 1 and 3 miss a scored token; row 2 only context
     model = Oracle(rows, wrong)
-    result = heldout_eval(model, rows, torch.ones(5, T, dtype=torch.int64), "cpu", contextlib.nullcontext(),
-                          {"fim": (rows, mask)})
+    result = heldout_eval(
+        model,
+        rows,
+        torch.ones(5, T, dtype=torch.int64),
+        "cpu",
+        contextlib.nullcontext(),
+        {"fim": (rows, mask)},
+    )
     assert result["fim_exact"] == 3 / 5
     # Two of the 15 scored tokens are certain of the wrong token: their loss is 60 nats each.
     assert math.isclose(result["fim_loss"], 2 * 60 / 15, rel_tol=1e-3)

@@ -1,19 +1,24 @@
-"""Group-scaled int4 weights (engine/int4.py): the quantizer, compressed-tensors' pack-quantized
+"""Group-scaled int4 weights (engine/loading/int4.py): the quantizer, compressed-tensors' pack-quantized
 layout, training through int4 rounding, the int4 export read by the engine, by the trainer's resume
 and by transformers."""
+
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import (
+    engine_logits,
+    max_rel,
+    quantizable_training_config,
+    row_scaled_weights,
+    scaled_training_model,
+)
 from safetensors import safe_open
 
-from engine import int4
-from engine.config import ModelFormatError
+from engine.loading import int4
+from engine.model.config import ModelFormatError
 from engine.train.model import Qwen3MoeLM
-
-from checkpoints import (engine_logits, max_rel, quantizable_training_config, row_scaled_weights,
-                         scaled_training_model)
 
 GROUP = 16
 TINY = quantizable_training_config()
@@ -23,7 +28,7 @@ _weights = row_scaled_weights
 def _significant_bits(x: torch.Tensor) -> int:
     mantissa, _ = torch.frexp(x.double())  # in [0.5, 1)
     bits = 0
-    while not torch.equal(mantissa * 2 ** bits, torch.round(mantissa * 2 ** bits)):
+    while not torch.equal(mantissa * 2**bits, torch.round(mantissa * 2**bits)):
         bits += 1
     return bits
 
@@ -55,10 +60,16 @@ def test_quantize_round_trip_within_int4_tolerance(shape):
     step = scale.repeat_interleave(GROUP, 1)
     assert ((back - w16).abs() <= step / 2).all()
     amax = w16.unflatten(1, (-1, GROUP)).abs().amax(2)
-    assert (scale >= amax / int4.Q_MAX * 15 / 16).all() and (scale <= amax / int4.Q_MAX * 17 / 16).all()
+    assert (scale >= amax / int4.Q_MAX * 15 / 16).all() and (
+        scale <= amax / int4.Q_MAX * 17 / 16
+    ).all()
     # Every group's largest magnitude is +-7, so dequantized weights quantize to themselves.
-    assert torch.equal(q.abs().unflatten(1, (-1, GROUP)).amax(2), torch.full_like(scale, 7, dtype=torch.int8))
-    assert torch.equal(int4.quantize(back, GROUP)[0], q) and torch.equal(int4.quantize(back, GROUP)[1], scale)
+    assert torch.equal(
+        q.abs().unflatten(1, (-1, GROUP)).amax(2), torch.full_like(scale, 7, dtype=torch.int8)
+    )
+    assert torch.equal(int4.quantize(back, GROUP)[0], q) and torch.equal(
+        int4.quantize(back, GROUP)[1], scale
+    )
 
 
 def test_scales_have_four_significant_bits_so_products_are_exact_in_bf16():
@@ -73,7 +84,9 @@ def test_scales_have_four_significant_bits_so_products_are_exact_in_bf16():
 def test_pack_matches_the_formats_layout_and_unpack_inverts_it():
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-8, 8, (5, 48), generator=g, dtype=torch.int8)
-    q[0, :8] = torch.tensor([-8, 7, -1, 0, 1, -7, 6, 7], dtype=torch.int8)  # the top nibble's sign bit set
+    q[0, :8] = torch.tensor(
+        [-8, 7, -1, 0, 1, -7, 6, 7], dtype=torch.int8
+    )  # the top nibble's sign bit set
     packed = int4.pack(q)
     assert packed.dtype == torch.int32 and torch.equal(packed, _reference_pack(q))
     assert torch.equal(int4.unpack(packed, q.shape), q)
@@ -118,7 +131,9 @@ def test_dequantize_refuses_bad_scales_and_packing():
 
 def test_a_strided_packed_view_reads_as_its_values():
     q, scale = int4.quantize(_weights((8, 64), seed=4), GROUP)
-    wide = torch.cat([int4.pack(q), int4.pack(q)], dim=0).t().contiguous().t()  # [16, 8], column-major
+    wide = (
+        torch.cat([int4.pack(q), int4.pack(q)], dim=0).t().contiguous().t()
+    )  # [16, 8], column-major
     assert not wide.is_contiguous()
     assert torch.equal(int4.unpack(wide[:8], (8, 64)), q)
 
@@ -144,15 +159,25 @@ def test_fake_quantize_rounds_forward_and_passes_gradients_straight_through():
 
 
 def test_group_size_comes_from_the_compressed_tensors_config():
-    assert int4.config_group_size({"quantization_config": int4.quantization_config(32, ["lm_head"])}) == 32
+    assert (
+        int4.config_group_size({"quantization_config": int4.quantization_config(32, ["lm_head"])})
+        == 32
+    )
     assert int4.config_group_size({}) is None
     assert int4.config_group_size({"quantization_config": {"quant_method": "fp8"}}) is None
 
 
-@pytest.mark.parametrize("change", [
-    {"num_bits": 8}, {"symmetric": False}, {"strategy": "channel"}, {"type": "float"}, {"group_size": 0},
-    {"dynamic": True},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_bits": 8},
+        {"symmetric": False},
+        {"strategy": "channel"},
+        {"type": "float"},
+        {"group_size": 0},
+        {"dynamic": True},
+    ],
+)
 def test_other_compressed_tensors_schemes_are_refused(change):
     quant = int4.quantization_config(32, [])
     quant["config_groups"]["group_0"]["weights"].update(change)
@@ -160,15 +185,20 @@ def test_other_compressed_tensors_schemes_are_refused(change):
         int4.config_group_size({"quantization_config": quant})
 
 
-@pytest.mark.parametrize("change", [
-    {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},  # rotated weights
-    {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
-    {"quantization_status": "frozen"},  # plain weights that transformers would round in each forward
-    {"config_groups": {"W4A16": ["Linear"]}},  # a preset's name, not a spelled-out scheme
-    {"config_groups": [{"weights": {}}]},
-    {"config_groups": {"group_0": None}},
-    {"config_groups": {}},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},  # rotated weights
+        {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        {
+            "quantization_status": "frozen"
+        },  # plain weights that transformers would round in each forward
+        {"config_groups": {"W4A16": ["Linear"]}},  # a preset's name, not a spelled-out scheme
+        {"config_groups": [{"weights": {}}]},
+        {"config_groups": {"group_0": None}},
+        {"config_groups": {}},
+    ],
+)
 def test_compressed_tensors_configs_beyond_weight_only_int4_are_refused(change):
     quant = {**int4.quantization_config(32, []), **change}
     with pytest.raises(ValueError, match="compressed-tensors"):
@@ -190,7 +220,9 @@ def _model(config=TINY, seed=0, dense=False):
 
 
 def _ids():
-    return torch.randint(0, TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(10))
+    return torch.randint(
+        0, TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(10)
+    )
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
@@ -224,12 +256,25 @@ def _export(root):
                 p.copy_(p.to(torch.bfloat16).float())
     model.set_int4_training(GROUP)
     model.eval()
-    checkpoint.save(model, {"step": 3, "tokens_seen": 100, "train_seconds": 1.5, "runs": []}, root / "run" / "ckpt")
+    checkpoint.save(
+        model,
+        {"step": 3, "tokens_seen": 100, "train_seconds": 1.5, "runs": []},
+        root / "run" / "ckpt",
+    )
     model_dir = root / "model"
     mp = pytest.MonkeyPatch()
     mp.setattr(export, "CONFIG", TINY)
     try:
-        export.main(["--ckpt", str(root / "run" / "ckpt"), "--model-dir", str(model_dir), "--int4-group", str(GROUP)])
+        export.main(
+            [
+                "--ckpt",
+                str(root / "run" / "ckpt"),
+                "--model-dir",
+                str(model_dir),
+                "--int4-group",
+                str(GROUP),
+            ]
+        )
     finally:
         mp.undo()
     return model, model_dir
@@ -244,20 +289,28 @@ def test_int4_export_layout(int4_export):
     model, model_dir = int4_export
     cfg = json.loads((model_dir / "config.json").read_text())
     assert int4.config_group_size(cfg) == GROUP
-    assert set(cfg["quantization_config"]["ignore"]) == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    assert set(cfg["quantization_config"]["ignore"]) == {
+        "lm_head",
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    }
     state = model.state_dict()
     projections = {n for n in state if n.endswith("_proj.weight")}
     assert len(projections) == 2 * (4 + 3 * 4)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == (set(state) - projections) | {n + s for n in projections for s in int4.SUFFIXES}
+        assert set(f.keys()) == (set(state) - projections) | {
+            n + s for n in projections for s in int4.SUFFIXES
+        }
         for name in sorted(state):
             if name in projections:
                 packed, scale, shape = (f.get_tensor(name + s) for s in int4.SUFFIXES)
                 assert packed.dtype == torch.int32 and scale.dtype == torch.bfloat16, name
                 assert shape.tolist() == list(state[name].shape), name
                 # What the QAT forward pass used, bit for bit.
-                assert torch.equal(int4.dequantize(packed, scale, shape.tolist()),
-                                   int4.fake_quantize(state[name], GROUP)), name
+                assert torch.equal(
+                    int4.dequantize(packed, scale, shape.tolist()),
+                    int4.fake_quantize(state[name], GROUP),
+                ), name
             else:
                 t = f.get_tensor(name)
                 assert t.dtype == torch.bfloat16 and torch.equal(t.float(), state[name]), name
@@ -277,8 +330,12 @@ def _dequantized_gate_up(model_dir, layer):
 
     w = checkpoint.load_weights(model_dir)
     p = f"model.layers.{layer}.mlp.experts."
-    return torch.stack([torch.cat([w[f"{p}{e}.gate_proj.weight"], w[f"{p}{e}.up_proj.weight"]]).float()
-                        for e in range(TINY["num_experts"])])
+    return torch.stack(
+        [
+            torch.cat([w[f"{p}{e}.gate_proj.weight"], w[f"{p}{e}.up_proj.weight"]]).float()
+            for e in range(TINY["num_experts"])
+        ]
+    )
 
 
 def test_transformers_loads_the_int4_export_like_the_engine(int4_export):
@@ -336,25 +393,64 @@ def _broken_copy(int4_export, tmp_path, edit):
 NAME = "model.layers.0.self_attn.q_proj.weight"
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t, f: t.pop(NAME + "_scale"), "weight_scale"),
-    (lambda t, f: t.update({NAME + "_shape": torch.tensor([64, 32], dtype=torch.int32)}), "shape"),
-    (lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"][:, :2].contiguous()}), "groups"),
-    (lambda t, f: t.update({NAME + "_g_idx": torch.zeros(64, dtype=torch.int32)}), "activation order"),
-    (lambda t, f: t.update({NAME + "_shape": torch.tensor(64, dtype=torch.int32)}), "two integers"),
-    (lambda t, f: t.update({NAME + "_shape": torch.tensor([[64, 64]], dtype=torch.int32)}), "two integers"),
-    (lambda t, f: t.update({NAME + "_shape": torch.tensor([64.0, 64.0])}), "two integers"),
-    (lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"].to(torch.int32)}), "floating point"),
-    (lambda t, f: t.update({NAME + "_scale": torch.zeros_like(t[NAME + "_scale"])}), "positive"),
-    (lambda t, f: t.update({NAME + "_scale": -t[NAME + "_scale"]}), "positive"),
-    (lambda t, f: t.update({NAME + "_packed": t[NAME + "_packed"].to(torch.int64)}), "packed int32"),
-    (lambda t, f: t.update({NAME: torch.zeros(64, 64, dtype=torch.bfloat16)}), "both plain and as int4"),
-    (lambda t, f: (f / "config.json").write_text(json.dumps(
-        {k: v for k, v in json.loads((f / "config.json").read_text()).items() if k != "quantization_config"})),
-     "no compressed-tensors"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t, f: t.pop(NAME + "_scale"), "weight_scale"),
+        (
+            lambda t, f: t.update({NAME + "_shape": torch.tensor([64, 32], dtype=torch.int32)}),
+            "shape",
+        ),
+        (
+            lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"][:, :2].contiguous()}),
+            "groups",
+        ),
+        (
+            lambda t, f: t.update({NAME + "_g_idx": torch.zeros(64, dtype=torch.int32)}),
+            "activation order",
+        ),
+        (
+            lambda t, f: t.update({NAME + "_shape": torch.tensor(64, dtype=torch.int32)}),
+            "two integers",
+        ),
+        (
+            lambda t, f: t.update({NAME + "_shape": torch.tensor([[64, 64]], dtype=torch.int32)}),
+            "two integers",
+        ),
+        (lambda t, f: t.update({NAME + "_shape": torch.tensor([64.0, 64.0])}), "two integers"),
+        (
+            lambda t, f: t.update({NAME + "_scale": t[NAME + "_scale"].to(torch.int32)}),
+            "floating point",
+        ),
+        (
+            lambda t, f: t.update({NAME + "_scale": torch.zeros_like(t[NAME + "_scale"])}),
+            "positive",
+        ),
+        (lambda t, f: t.update({NAME + "_scale": -t[NAME + "_scale"]}), "positive"),
+        (
+            lambda t, f: t.update({NAME + "_packed": t[NAME + "_packed"].to(torch.int64)}),
+            "packed int32",
+        ),
+        (
+            lambda t, f: t.update({NAME: torch.zeros(64, 64, dtype=torch.bfloat16)}),
+            "both plain and as int4",
+        ),
+        (
+            lambda t, f: (f / "config.json").write_text(
+                json.dumps(
+                    {
+                        k: v
+                        for k, v in json.loads((f / "config.json").read_text()).items()
+                        if k != "quantization_config"
+                    }
+                )
+            ),
+            "no compressed-tensors",
+        ),
+    ],
+)
 def test_a_broken_int4_checkpoint_is_named_not_crashed(int4_export, tmp_path, edit, message):
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     with pytest.raises(ModelFormatError, match=message):
         load_model(_broken_copy(int4_export, tmp_path, edit))
@@ -372,7 +468,9 @@ def test_training_step_through_int4_moves_the_weights():
         loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * aux
         loss.backward()
     opt.step()
-    assert torch.isfinite(loss) and not torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+    assert torch.isfinite(loss) and not torch.equal(
+        model.model.layers[0].self_attn.q_proj.weight, before
+    )
 
 
 def test_a_checkpoint_compressed_by_compressed_tensors_reads_as_its_decompression(tmp_path):
@@ -384,19 +482,28 @@ def test_a_checkpoint_compressed_by_compressed_tensors_reads_as_its_decompressio
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from engine.weights import CheckpointReader
+    from engine.loading.checkpoint_reader import CheckpointReader
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=128
+    )
     w = row_scaled_weights((256, 512), seed=5).to(torch.bfloat16)
     # The library's symmetric scales: amax / 7.5, so the largest values round to -8.
     amax = w.float().unflatten(1, (-1, 128)).abs().amax(2)
     scale = (amax / 7.5).to(torch.bfloat16)
-    state = {"weight": w, "weight_scale": scale, "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8)}
+    state = {
+        "weight": w,
+        "weight_scale": scale,
+        "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8),
+    }
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressed = PackedQuantizationCompressor.compress(dict(state), scheme=scheme)
     expected = PackedQuantizationCompressor.decompress(dict(compressed), scheme=scheme)["weight"]
     assert int4.unpack(compressed["weight_packed"], (256, 512)).min() == -8
-    save_file({f"x.{k}": v.contiguous() for k, v in compressed.items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {f"x.{k}": v.contiguous() for k, v in compressed.items()},
+        str(tmp_path / "model.safetensors"),
+    )
     reader = CheckpointReader(tmp_path, int4_group=128)
     # The library forms q * scale in bf16; asked for bf16 the reader gives the same, and in fp32
     # it keeps the products exact (this scale has all 8 bits, so some products round in bf16).
@@ -409,7 +516,11 @@ def test_training_refuses_two_formats_and_a_bad_group():
     from engine.train.train import parse_args
 
     base = ["--model-dir", "m", "--out", "o", "--device", "cpu"]
-    for bad in (["--fp8-block", "64", "--int4-group", "32"], ["--int4-group", "12"], ["--int4-group", "0"]):
+    for bad in (
+        ["--fp8-block", "64", "--int4-group", "32"],
+        ["--int4-group", "12"],
+        ["--int4-group", "0"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(base + bad)
     assert parse_args(base + ["--int4-group", "32"]).int4_group == 32

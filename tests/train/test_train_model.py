@@ -1,5 +1,6 @@
 """The training model: its dense and sparse MoE forms are one function, it matches transformers'
 Qwen3-MoE, and the training step traces as one graph (what `torch.compile` needs on the GPU)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,9 +8,18 @@ import torch.nn.functional as F
 from engine.train.config import CONFIG
 from engine.train.model import Qwen3MoeLM
 
-TINY = {**CONFIG, "vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32}
+TINY = {
+    **CONFIG,
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
 
 
 def _pair(seed=0):
@@ -54,8 +64,11 @@ def test_training_model_matches_transformers(tmp_path):
     torch.manual_seed(1)
     model, _ = _pair(1)
     write_configs(tmp_path, {**TINY, "torch_dtype": "float32"})
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, TINY["vocab_size"], (2, 13))
     with torch.no_grad():
@@ -103,7 +116,18 @@ def test_checkpoints_round_trip_and_a_run_resumes_from_an_exported_folder(tmp_pa
 def test_learning_rate_warms_up_holds_and_decays_to_the_final_fraction():
     from engine.train.train import lr_at, parse_args
 
-    base = ["--model-dir", "m", "--out", "o", "--lr", "1e-3", "--warmup-steps", "10", "--decay-frac", "0.5"]
+    base = [
+        "--model-dir",
+        "m",
+        "--out",
+        "o",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "10",
+        "--decay-frac",
+        "0.5",
+    ]
     args = parse_args(base)  # the default ends the decay at 10% of the peak
     assert lr_at(0, 0.0, args) == pytest.approx(1e-4)  # the first of 10 warm-up steps
     assert lr_at(50, 0.3, args) == pytest.approx(1e-3)  # held before the last half of the budget

@@ -1,8 +1,8 @@
 """`wd-lsp bench` / `python -m wd_lsp.bench`: compare cache modes, or soak one engine.
 
-    wd-lsp bench [compare] --segments 6 --out bench-out      # cache off / on / on + warm
-    wd-lsp bench --modes cache-warm,cache-warm@expert_centric --engine-arg=--device=cuda ...
-    wd-lsp bench soak --editors 16 --duration 300 --out soak-out
+wd-lsp bench [compare] --segments 6 --out bench-out      # cache off / on / on + warm
+wd-lsp bench --modes cache-warm,cache-warm@expert_centric --engine-arg=--device=cuda ...
+wd-lsp bench soak --editors 16 --duration 300 --out soak-out
 """
 
 from __future__ import annotations
@@ -24,42 +24,87 @@ from .soak import SoakConfig, run_soak
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="all",
-                        help="files to type: heldout (the default model's held-out files), project, all, "
-                             "or comma-separated paths (default: all)")
-    parser.add_argument("--segments", type=int, default=6, help="segments to type, each from a different file")
+    parser.add_argument(
+        "--source",
+        default="all",
+        help="files to type: heldout (the default model's held-out files), project, all, "
+        "or comma-separated paths (default: all)",
+    )
+    parser.add_argument(
+        "--segments", type=int, default=6, help="segments to type, each from a different file"
+    )
     parser.add_argument("--lines", type=int, default=3, help="lines typed per segment")
-    parser.add_argument("--min-context", type=int, default=sources.MIN_BEFORE_CHARS,
-                        help="chars above the typed lines (default fills the prompt budget)")
-    parser.add_argument("--key-ms", type=float, default=Cadence.key_ms, help="mean time between keys")
-    parser.add_argument("--jitter", type=float, default=Cadence.jitter, help="relative spread of key gaps")
-    parser.add_argument("--line-pause-ms", type=float, default=Cadence.line_pause_ms, help="pause after Enter")
-    parser.add_argument("--word-pause-ms", type=float, default=Cadence.word_pause_ms, help="pause after a word")
-    parser.add_argument("--server-option", action="append", default=[], metavar="KEY=JSON",
-                        help="extra initializationOptions for the server, e.g. maxTokens=32 (repeatable)")
-    parser.add_argument("--model", help="model folder (default: $WD_LSP_MODEL or the embedded model)")
-    parser.add_argument("--engine-arg", action="append", default=[], help="extra `wd-engine serve` argument")
+    parser.add_argument(
+        "--min-context",
+        type=int,
+        default=sources.MIN_BEFORE_CHARS,
+        help="chars above the typed lines (default fills the prompt budget)",
+    )
+    parser.add_argument(
+        "--key-ms", type=float, default=Cadence.key_ms, help="mean time between keys"
+    )
+    parser.add_argument(
+        "--jitter", type=float, default=Cadence.jitter, help="relative spread of key gaps"
+    )
+    parser.add_argument(
+        "--line-pause-ms", type=float, default=Cadence.line_pause_ms, help="pause after Enter"
+    )
+    parser.add_argument(
+        "--word-pause-ms", type=float, default=Cadence.word_pause_ms, help="pause after a word"
+    )
+    parser.add_argument(
+        "--server-option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="extra initializationOptions for the server, e.g. maxTokens=32 (repeatable)",
+    )
+    parser.add_argument(
+        "--model", help="model folder (default: $WD_LSP_MODEL or the embedded model)"
+    )
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], help="extra `wd-engine serve` argument"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="latency-out", help="folder for latency.json, latency.md and plots")
+    parser.add_argument(
+        "--out", default="latency-out", help="folder for latency.json, latency.md and plots"
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engine and server logs")
-    parser.add_argument("--run-dir", help="folder for the sockets and logs, kept at the end (default: a new "
-                        "temporary one, removed unless --keep-logs); keep its path short (AF_UNIX)")
+    parser.add_argument(
+        "--run-dir",
+        help="folder for the sockets and logs, kept at the end (default: a new "
+        "temporary one, removed unless --keep-logs); keep its path short (AF_UNIX)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wd-lsp bench", description="Replay real typing through wd-lsp.")
+    parser = argparse.ArgumentParser(
+        prog="wd-lsp bench", description="Replay real typing through wd-lsp."
+    )
     commands = parser.add_subparsers(dest="command")
     compare = commands.add_parser("compare", help="cache modes side by side (the default)")
     _common(compare)
-    compare.add_argument("--modes", default=",".join(MODES),
-                         help=f"comma-separated, from {', '.join(MODES)}; MODE@PATH forces the engine's MoE path "
-                              f"({', '.join(MOE_PATHS)}), e.g. cache-warm@expert_centric")
-    compare.add_argument("--editors", default=",".join(EDITORS), help=f"comma-separated, from {', '.join(EDITORS)}")
-    compare.add_argument("--daemons-at-once", type=int, default=0,
-                         help="engines alive at once (default: all); the modes then run in groups, in order")
-    compare.add_argument("--warm-up", action="store_true",
-                         help="run a few unrelated completions on each engine before measuring (compiles GPU kernels)")
+    compare.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, from {', '.join(MODES)}; MODE@PATH forces the engine's MoE path "
+        f"({', '.join(MOE_PATHS)}), e.g. cache-warm@expert_centric",
+    )
+    compare.add_argument(
+        "--editors", default=",".join(EDITORS), help=f"comma-separated, from {', '.join(EDITORS)}"
+    )
+    compare.add_argument(
+        "--daemons-at-once",
+        type=int,
+        default=0,
+        help="engines alive at once (default: all); the modes then run in groups, in order",
+    )
+    compare.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="run a few unrelated completions on each engine before measuring (compiles GPU kernels)",
+    )
     soak = commands.add_parser("soak", help="many editors against one engine for a set time")
     _common(soak)
     soak.add_argument("--editors", type=int, default=16, help="concurrent editors")
@@ -88,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     files = sources.load(args.source)
     segments = sources.segments(files, args.segments, args.lines, args.seed, args.min_context)
     if not segments:
-        print("wd-lsp bench: no file is long enough to type from (try --min-context 0)", file=sys.stderr)
+        print(
+            "wd-lsp bench: no file is long enough to type from (try --min-context 0)",
+            file=sys.stderr,
+        )
         return 2
     cadence = Cadence(args.key_ms, args.jitter, args.line_pause_ms, args.word_pause_ms)
     if args.command == "compare":
@@ -103,13 +151,32 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="wd-bench-"))
     try:
         if args.command == "soak":
-            config = SoakConfig(segments, args.editors, args.duration, args.style, args.mode, cadence,
-                                _server_options(args.server_option), args.model, args.engine_arg, seed=args.seed)
+            config = SoakConfig(
+                segments,
+                args.editors,
+                args.duration,
+                args.style,
+                args.mode,
+                cadence,
+                _server_options(args.server_option),
+                args.model,
+                args.engine_arg,
+                seed=args.seed,
+            )
             result = asyncio.run(run_soak(config, run_dir))
         else:
-            config = CompareConfig(segments, args.modes.split(","), args.editors.split(","), cadence,
-                                   _server_options(args.server_option), args.model, args.engine_arg, args.seed,
-                                   args.daemons_at_once, args.warm_up)
+            config = CompareConfig(
+                segments,
+                args.modes.split(","),
+                args.editors.split(","),
+                cadence,
+                _server_options(args.server_option),
+                args.model,
+                args.engine_arg,
+                args.seed,
+                args.daemons_at_once,
+                args.warm_up,
+            )
             result = asyncio.run(run_compare(config, run_dir))
     finally:
         if keep:

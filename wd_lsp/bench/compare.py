@@ -51,30 +51,47 @@ async def run_compare(config: CompareConfig, run_dir: Path, progress=print) -> d
     # Editor styles take turns over the segments: every segment is typed once per arm.
     plan = [(config.editors[i % len(config.editors)], seg) for i, seg in enumerate(config.segments)]
     for first in range(0, len(arms), size):
-        group = arms[first:first + size]
+        group = arms[first : first + size]
         daemons: dict[str, Daemon] = {}
         try:
             t0 = time.monotonic()
             for arm in group:
-                daemons[arm.name] = start_daemon(run_dir, arm.name, arm.mode.prefix_cache, config.model,
-                                                 config.engine_args + arm.engine_args())
+                daemons[arm.name] = start_daemon(
+                    run_dir,
+                    arm.name,
+                    arm.mode.prefix_cache,
+                    config.model,
+                    config.engine_args + arm.engine_args(),
+                )
             for arm in group:
                 await wait_ready(daemons[arm.name])
                 info = await daemons[arm.name].client.request("model_info")
-                engines[arm.name] = dict(info, ready_s=time.monotonic() - t0, moe_path=arm.moe_path or "auto")
+                engines[arm.name] = dict(
+                    info, ready_s=time.monotonic() - t0, moe_path=arm.moe_path or "auto"
+                )
                 if config.warm_up:
                     engines[arm.name]["warm_up_s"] = await warm_up(daemons[arm.name])
-                progress(f"engine {arm.name}: ready after {engines[arm.name]['ready_s']:.1f} s"
-                         + (f", warm-up {engines[arm.name]['warm_up_s']:.1f} s" if config.warm_up else ""))
+                progress(
+                    f"engine {arm.name}: ready after {engines[arm.name]['ready_s']:.1f} s"
+                    + (
+                        f", warm-up {engines[arm.name]['warm_up_s']:.1f} s"
+                        if config.warm_up
+                        else ""
+                    )
+                )
             for n, (editor, segment) in enumerate(plan):
                 for arm in group:
                     daemon = daemons[arm.name]
                     before = await daemon.stats()
                     rows, status = await replay_one(
-                        segment, EDITORS[editor], config.cadence,
+                        segment,
+                        EDITORS[editor],
+                        config.cadence,
                         init_options(daemon, arm.mode.warm_on_change, config.server_options),
-                        engine_env(run_dir), seed=config.seed + n,
-                        stderr_path=str(run_dir / f"server-{arm.name.replace('@', '-')}.log"))
+                        engine_env(run_dir),
+                        seed=config.seed + n,
+                        stderr_path=str(run_dir / f"server-{arm.name.replace('@', '-')}.log"),
+                    )
                     after = await daemon.stats()
                     delta = engine_delta(before, after)
                     acc = engine.setdefault((arm.name, editor), {k: 0 for k in delta})
@@ -83,8 +100,10 @@ async def run_compare(config: CompareConfig, run_dir: Path, progress=print) -> d
                     statuses.setdefault((arm.name, editor), []).append(status)
                     records += [dict(r.as_dict(), mode=arm.name) for r in rows]
                     shown = sum(r.outcome == "shown" for r in rows)
-                    progress(f"[{n + 1}/{len(plan)}] {arm.name:10s} {editor:6s} {segment.name}: "
-                             f"{len(rows)} requests, {shown} shown")
+                    progress(
+                        f"[{n + 1}/{len(plan)}] {arm.name:10s} {editor:6s} {segment.name}: "
+                        f"{len(rows)} requests, {shown} shown"
+                    )
         finally:
             await asyncio.gather(*(d.stop() for d in daemons.values()))
     modes = {}
@@ -94,18 +113,39 @@ async def run_compare(config: CompareConfig, run_dir: Path, progress=print) -> d
         for editor in config.editors:
             rows = [r for r in records if r["mode"] == name and r["editor"] == editor]
             if rows or (name, editor) in statuses:
-                modes[name][editor] = summarize(rows, statuses.get((name, editor), []), engine.get((name, editor)))
-        modes[name]["all"] = summarize([r for r in records if r["mode"] == name],
-                                       [s for (m, _), v in statuses.items() if m == name for s in v],
-                                       _sum_dicts([v for (m, _), v in engine.items() if m == name]))
-    return dict(kind="compare", modes=modes, ratios=ratios(modes), records=records, engines=engines, config=dict(
-        modes=config.modes, editors=config.editors, segments=[s.name for s in config.segments],
-        cadence=vars(config.cadence), server_options=config.server_options,
-        engine_args=config.engine_args, model=config.model or "default",
-        daemons_at_once=config.daemons_at_once, warm_up=config.warm_up))
+                modes[name][editor] = summarize(
+                    rows, statuses.get((name, editor), []), engine.get((name, editor))
+                )
+        modes[name]["all"] = summarize(
+            [r for r in records if r["mode"] == name],
+            [s for (m, _), v in statuses.items() if m == name for s in v],
+            _sum_dicts([v for (m, _), v in engine.items() if m == name]),
+        )
+    return dict(
+        kind="compare",
+        modes=modes,
+        ratios=ratios(modes),
+        records=records,
+        engines=engines,
+        config=dict(
+            modes=config.modes,
+            editors=config.editors,
+            segments=[s.name for s in config.segments],
+            cadence=vars(config.cadence),
+            server_options=config.server_options,
+            engine_args=config.engine_args,
+            model=config.model or "default",
+            daemons_at_once=config.daemons_at_once,
+            warm_up=config.warm_up,
+        ),
+    )
 
 
-FIRST_TOKEN_METRICS = ("keystroke_to_first_token_ms", "request_to_first_token_ms", "keystroke_to_ghost_ms")
+FIRST_TOKEN_METRICS = (
+    "keystroke_to_first_token_ms",
+    "request_to_first_token_ms",
+    "keystroke_to_ghost_ms",
+)
 
 
 def ratios(modes: dict) -> dict:
@@ -117,13 +157,17 @@ def ratios(modes: dict) -> dict:
     for arm in arms:
         if arm.mode.name == "cache-off":
             continue
-        off = next((a for a in arms if a.mode.name == "cache-off" and a.moe_path == arm.moe_path), None)
+        off = next(
+            (a for a in arms if a.mode.name == "cache-off" and a.moe_path == arm.moe_path), None
+        )
         if off is None:
             continue
         summary, base = modes[arm.name]["all"], modes[off.name]["all"]
         for metric in FIRST_TOKEN_METRICS:
             a, b = summary[metric]["p50"], base[metric]["p50"]
-            out[f"{arm.name} / {off.name} p50 {metric.removesuffix('_ms')}"] = a / b if a and b else None
+            out[f"{arm.name} / {off.name} p50 {metric.removesuffix('_ms')}"] = (
+                a / b if a and b else None
+            )
     for arm in arms:
         ref = next(a for a in arms if a.mode == arm.mode)
         if ref is arm:
@@ -131,7 +175,9 @@ def ratios(modes: dict) -> dict:
         summary, base = modes[arm.name]["all"], modes[ref.name]["all"]
         for metric in ("engine_first_token_ms", "keystroke_to_first_token_ms"):
             a, b = summary[metric]["p50"], base[metric]["p50"]
-            out[f"{arm.name} / {ref.name} p50 {metric.removesuffix('_ms')}"] = a / b if a and b else None
+            out[f"{arm.name} / {ref.name} p50 {metric.removesuffix('_ms')}"] = (
+                a / b if a and b else None
+            )
         a, b = summary["decode_tokens_per_s"], base["decode_tokens_per_s"]
         out[f"{arm.name} / {ref.name} decode tok/s"] = a / b if a and b else None
     return out

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.client import EngineClient, EngineError, EngineUnavailable
+from engine.ipc.client import EngineClient, EngineError, EngineUnavailable
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Arm:
     moe_path: str | None = None
 
     @classmethod
-    def parse(cls, spec: str) -> "Arm":
+    def parse(cls, spec: str) -> Arm:
         mode, _, path = spec.partition("@")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
@@ -88,26 +88,50 @@ class Daemon:
 def engine_env(run_dir: Path, idle_timeout_s: int = 30) -> dict:
     """Environment for anything that may reach or spawn an engine: a private runtime dir, and
     an idle timeout so a daemon left behind by a crash goes away on its own."""
-    return dict(os.environ, WD_ENGINE_DIR=str(run_dir), XDG_STATE_HOME=str(run_dir / "state"),
-                WD_ENGINE_IDLE_TIMEOUT=str(idle_timeout_s))
+    return dict(
+        os.environ,
+        WD_ENGINE_DIR=str(run_dir),
+        XDG_STATE_HOME=str(run_dir / "state"),
+        WD_ENGINE_IDLE_TIMEOUT=str(idle_timeout_s),
+    )
 
 
-def start_daemon(run_dir: Path, name: str, prefix_cache: bool, model: str | None = None,
-                 extra_args: list[str] | None = None, idle_timeout_s: int = 30) -> Daemon:
+def start_daemon(
+    run_dir: Path,
+    name: str,
+    prefix_cache: bool,
+    model: str | None = None,
+    extra_args: list[str] | None = None,
+    idle_timeout_s: int = 30,
+) -> Daemon:
     """Start `wd-engine serve` on `run_dir/<name>.sock`; returns at once (see `wait_ready`)."""
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = name.replace("@", "-")
     socket = run_dir / f"{name}.sock"
-    command = [sys.executable, "-m", "engine.cli", "serve", "--socket", str(socket),
-               "--idle-timeout", str(idle_timeout_s), "--log-file", str(run_dir / f"{name}.log")]
+    command = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--socket",
+        str(socket),
+        "--idle-timeout",
+        str(idle_timeout_s),
+        "--log-file",
+        str(run_dir / f"{name}.log"),
+    ]
     if not prefix_cache:
         command.append("--no-prefix-cache")
     if model:
         command += ["--model", model]
     command += extra_args or []
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=open(run_dir / f"{name}.stderr", "ab"),
-                               env=engine_env(run_dir, idle_timeout_s))
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(run_dir / f"{name}.stderr", "ab"),
+        env=engine_env(run_dir, idle_timeout_s),
+    )
     return Daemon(socket, process, extra_args or [])
 
 
@@ -116,13 +140,17 @@ async def wait_ready(daemon: Daemon, timeout_s: float = 300.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         if daemon.process.poll() is not None:
-            raise RuntimeError(f"the engine on {daemon.socket} exited with code {daemon.process.returncode}")
+            raise RuntimeError(
+                f"the engine on {daemon.socket} exited with code {daemon.process.returncode}"
+            )
         try:
             return await daemon.stats()
         except (EngineUnavailable, OSError):
             daemon.client = None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine on {daemon.socket} did not start in {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"the engine on {daemon.socket} did not start in {timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.2)
 
 

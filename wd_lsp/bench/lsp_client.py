@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class LspError(RuntimeError):
@@ -29,11 +29,18 @@ class LspClient:
         self._reader = asyncio.ensure_future(self._read_loop())
 
     @classmethod
-    async def start(cls, command: list[str], env: dict, stderr_path: str | None = None) -> "LspClient":
+    async def start(
+        cls, command: list[str], env: dict, stderr_path: str | None = None
+    ) -> LspClient:
         stderr = open(stderr_path, "ab") if stderr_path else asyncio.subprocess.DEVNULL
         process = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
-            limit=16 << 20)
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            limit=16 << 20,
+        )
         if stderr_path:
             stderr.close()
         return cls(process)
@@ -111,9 +118,15 @@ class LspClient:
             "textDocument": {"inlineCompletion": {}, "completion": {}, "synchronization": {}},
             "window": {"workDoneProgress": True},
         }
-        result = await self.request("initialize", {
-            "processId": None, "rootUri": root_uri, "capabilities": capabilities,
-            "initializationOptions": initialization_options})
+        result = await self.request(
+            "initialize",
+            {
+                "processId": None,
+                "rootUri": root_uri,
+                "capabilities": capabilities,
+                "initializationOptions": initialization_options,
+            },
+        )
         self.notify("initialized", {})
         return result
 
@@ -122,7 +135,7 @@ class LspClient:
             await self.request("shutdown", {}, timeout=10)
             self.notify("exit", {})
             await asyncio.wait_for(self.process.wait(), 10)
-        except (asyncio.TimeoutError, ConnectionError, LspError):
+        except (TimeoutError, ConnectionError, LspError):
             pass
         if self.process.returncode is None:
             self.process.kill()

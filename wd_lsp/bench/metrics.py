@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 
 COUNTERS = ("requests", "engine_calls", "typing_through", "superseded", "empty", "errors", "warms")
-ENGINE_COUNTERS = ("requests", "completed", "cancelled", "failed", "prompt_tokens", "cache_hit_tokens", "evictions")
+ENGINE_COUNTERS = (
+    "requests",
+    "completed",
+    "cancelled",
+    "failed",
+    "prompt_tokens",
+    "cache_hit_tokens",
+    "evictions",
+)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -18,8 +26,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def spread(values: list[float]) -> dict:
-    return dict(n=len(values), p50=percentile(values, 50), p90=percentile(values, 90), p99=percentile(values, 99),
-                mean=sum(values) / len(values) if values else None)
+    return dict(
+        n=len(values),
+        p50=percentile(values, 50),
+        p90=percentile(values, 90),
+        p99=percentile(values, 99),
+        mean=sum(values) / len(values) if values else None,
+    )
 
 
 def would_accept(suggestion: str, truth: str) -> tuple[bool, bool]:
@@ -46,7 +59,11 @@ def summarize(records: list[dict], server_statuses: list[dict], engine: dict | N
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     shown = [r for r in records if r["outcome"] == "shown"]
     answered = [r for r in records if r["outcome"] in ("shown", "empty")]
-    first = [r["first_token_ms"] for r in records if r["first_token_ms"] is not None and r["outcome"] != "cancelled"]
+    first = [
+        r["first_token_ms"]
+        for r in records
+        if r["first_token_ms"] is not None and r["outcome"] != "cancelled"
+    ]
     usage = [r["usage"] for r in records if r.get("usage")]
     decoded = [r for r in records if r.get("decode_s") and r.get("deltas", 0) > 1]
     decode_s = sum(r["decode_s"] for r in decoded)
@@ -59,14 +76,28 @@ def summarize(records: list[dict], server_statuses: list[dict], engine: dict | N
         keystroke_to_ghost_ms=spread([r["ghost_ms"] for r in shown]),
         keystroke_to_answer_ms=spread([r["ghost_ms"] for r in answered]),
         keystroke_to_first_token_ms=spread(first),
-        request_to_first_token_ms=spread([r["request_first_token_ms"] for r in records
-                                          if r["request_first_token_ms"] is not None and r["outcome"] != "cancelled"]),
+        request_to_first_token_ms=spread(
+            [
+                r["request_first_token_ms"]
+                for r in records
+                if r["request_first_token_ms"] is not None and r["outcome"] != "cancelled"
+            ]
+        ),
         # The server's engine call -> first streamed token (queue, prefill, first decode step).
-        engine_first_token_ms=spread([r["engine_first_token_ms"] for r in records
-                                      if r.get("engine_first_token_ms") is not None]),
-        decode_tokens_per_s=(sum(r["deltas"] - 1 for r in decoded) / decode_s) if decode_s > 0 else None,
+        engine_first_token_ms=spread(
+            [
+                r["engine_first_token_ms"]
+                for r in records
+                if r.get("engine_first_token_ms") is not None
+            ]
+        ),
+        decode_tokens_per_s=(sum(r["deltas"] - 1 for r in decoded) / decode_s)
+        if decode_s > 0
+        else None,
         # Completions the engine finished itself (a server stop rule cuts the rest short).
-        cache_hit_ratio=(sum(u.get("cached_tokens", 0) for u in usage) / prompt) if prompt else None,
+        cache_hit_ratio=(sum(u.get("cached_tokens", 0) for u in usage) / prompt)
+        if prompt
+        else None,
         typing_through=server["typing_through"],
         would_accept_whole=(sum(a[0] for a in accept) / len(accept)) if accept else None,
         would_accept_first_line=(sum(a[1] for a in accept) / len(accept)) if accept else None,
@@ -77,6 +108,10 @@ def summarize(records: list[dict], server_statuses: list[dict], engine: dict | N
         server=server,
     )
     if engine is not None:
-        summary["engine"] = dict(engine, cache_hit_ratio_all=(engine["cache_hit_tokens"] / engine["prompt_tokens"])
-                                 if engine.get("prompt_tokens") else None)
+        summary["engine"] = dict(
+            engine,
+            cache_hit_ratio_all=(engine["cache_hit_tokens"] / engine["prompt_tokens"])
+            if engine.get("prompt_tokens")
+            else None,
+        )
     return summary

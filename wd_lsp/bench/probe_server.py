@@ -16,15 +16,19 @@ import logging
 import sys
 import time
 
-from engine.client import CompletionStream
+from engine.ipc.client import CompletionStream
 from wd_lsp.engine_link import EngineLink
 from wd_lsp.server import WdLanguageServer, server
 from wd_lsp.transport import serve_stdio
 
 NOTIFICATION = "wdBench/answer"
-_request: contextvars.ContextVar[dict | None] = contextvars.ContextVar("wd_bench_request", default=None)
+_request: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "wd_bench_request", default=None
+)
 
-_deltas: contextvars.ContextVar[list | None] = contextvars.ContextVar("wd_bench_deltas", default=None)
+_deltas: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "wd_bench_deltas", default=None
+)
 
 _complete_at = WdLanguageServer._complete_at
 _engine_complete = EngineLink.complete
@@ -51,12 +55,18 @@ async def _probed_engine_complete(self, ctx, rules, key):
     answer = await _engine_complete(self, ctx, rules, key)
     info = dict(_request.get() or {})
     info.update(
-        submittedAt=submitted, doneAt=time.monotonic(),
-        firstTokenAt=None if answer.first_token_ms is None else submitted + answer.first_token_ms / 1000,
-        usage=answer.usage, stoppedEarly=answer.stopped_early, chars=len(answer.text),
+        submittedAt=submitted,
+        doneAt=time.monotonic(),
+        firstTokenAt=None
+        if answer.first_token_ms is None
+        else submitted + answer.first_token_ms / 1000,
+        usage=answer.usage,
+        stoppedEarly=answer.stopped_early,
+        chars=len(answer.text),
         # Decode speed even when a stop rule cut the stream (then the engine sends no usage):
         # the engine streams about one delta per token.
-        deltas=len(times), decodeS=(times[-1] - times[0]) if len(times) > 1 else None,
+        deltas=len(times),
+        decodeS=(times[-1] - times[0]) if len(times) > 1 else None,
     )
     try:
         server.protocol.notify(NOTIFICATION, info)

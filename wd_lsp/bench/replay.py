@@ -40,7 +40,9 @@ class RequestRecord:
     first_token_at: float | None = None  # from the probe: None when no engine call answered
     usage: dict | None = None
     engine_ms: float | None = None  # server -> engine -> server, from the probe
-    engine_first_token_ms: float | None = None  # server's engine call -> first token, from the probe
+    engine_first_token_ms: float | None = (
+        None  # server's engine call -> first token, from the probe
+    )
     deltas: int = 0  # streamed deltas (about one per token) and the seconds from first to last
     decode_s: float | None = None
     error: str | None = None
@@ -59,12 +61,23 @@ class RequestRecord:
         return None if self.first_token_at is None else 1000 * (self.first_token_at - self.sent_at)
 
     def as_dict(self) -> dict:
-        return dict(asdict(self), ghost_ms=self.ghost_ms, first_token_ms=self.first_token_ms,
-                    request_first_token_ms=self.request_first_token_ms)
+        return dict(
+            asdict(self),
+            ghost_ms=self.ghost_ms,
+            first_token_ms=self.first_token_ms,
+            request_first_token_ms=self.request_first_token_ms,
+        )
 
 
-async def replay_one(segment: Segment, style: EditorStyle, cadence: Cadence, init_options: dict, env: dict,
-                     seed: int = 0, stderr_path: str | None = None) -> tuple[list[RequestRecord], dict]:
+async def replay_one(
+    segment: Segment,
+    style: EditorStyle,
+    cadence: Cadence,
+    init_options: dict,
+    env: dict,
+    seed: int = 0,
+    stderr_path: str | None = None,
+) -> tuple[list[RequestRecord], dict]:
     """A fresh editor types one segment: (records, the server's wdLsp.status at the end)."""
     editor = Editor(style, cadence, init_options, env, seed, stderr_path)
     try:
@@ -78,8 +91,15 @@ async def replay_one(segment: Segment, style: EditorStyle, cadence: Cadence, ini
 class Editor:
     """One editor window: a language server process it talks to, documents typed one by one."""
 
-    def __init__(self, style: EditorStyle, cadence: Cadence, init_options: dict, env: dict,
-                 seed: int = 0, stderr_path: str | None = None):
+    def __init__(
+        self,
+        style: EditorStyle,
+        cadence: Cadence,
+        init_options: dict,
+        env: dict,
+        seed: int = 0,
+        stderr_path: str | None = None,
+    ):
         self.style, self.cadence = style, cadence
         self.init_options, self.env, self.stderr_path = init_options, env, stderr_path
         self.rng = random.Random(seed)
@@ -96,7 +116,12 @@ class Editor:
         await self._wait_engine_ready()
 
     async def status(self) -> dict:
-        return await self.client.request("workspace/executeCommand", {"command": "wdLsp.status", "arguments": []}) or {}
+        return (
+            await self.client.request(
+                "workspace/executeCommand", {"command": "wdLsp.status", "arguments": []}
+            )
+            or {}
+        )
 
     async def close(self) -> None:
         if self.client is not None:
@@ -119,9 +144,17 @@ class Editor:
         self.version, self.typed = 1, 0
         self.line, self.character = segment.before.count("\n"), 0
         self.key_at = 0.0
-        self.client.notify("textDocument/didOpen", {"textDocument": {
-            "uri": self.uri, "languageId": "python", "version": self.version,
-            "text": segment.before + segment.after}})
+        self.client.notify(
+            "textDocument/didOpen",
+            {
+                "textDocument": {
+                    "uri": self.uri,
+                    "languageId": "python",
+                    "version": self.version,
+                    "text": segment.before + segment.after,
+                }
+            },
+        )
         await self._type(keystrokes(segment, self.cadence, self.rng))
         await self._settle()
         if self._timer is not None:
@@ -147,13 +180,19 @@ class Editor:
             self.character = utf16_len(text.rsplit("\n", 1)[1])
         else:
             self.character += utf16_len(text)
-        self.key_at = self.client.notify("textDocument/didChange", {
-            "textDocument": {"uri": self.uri, "version": self.version},
-            "contentChanges": [{"range": {"start": start, "end": start}, "text": text}]})
+        self.key_at = self.client.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": self.uri, "version": self.version},
+                "contentChanges": [{"range": {"start": start, "end": start}, "text": text}],
+            },
+        )
         if self.style.debounce_ms:
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self.style.debounce_ms / 1000, self._ask)
+            self._timer = asyncio.get_running_loop().call_later(
+                self.style.debounce_ms / 1000, self._ask
+            )
         else:
             self._ask()
 
@@ -163,13 +202,23 @@ class Editor:
                 record.outcome = "cancelled"
                 self.client.cancel(msg_id)
         record = RequestRecord(
-            editor=self.style.name, segment=self.segment.name, version=self.version, typed_chars=self.typed,
-            context_chars=len(self.segment.before) + self.typed, key_at=self.key_at, sent_at=0.0,
-            truth=self.segment.truth_after(self.typed)[:400])
-        msg_id, future = self.client.send_request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": self.uri},
-            "position": {"line": self.line, "character": self.character},
-            "context": {"triggerKind": 2}})  # Automatic
+            editor=self.style.name,
+            segment=self.segment.name,
+            version=self.version,
+            typed_chars=self.typed,
+            context_chars=len(self.segment.before) + self.typed,
+            key_at=self.key_at,
+            sent_at=0.0,
+            truth=self.segment.truth_after(self.typed)[:400],
+        )
+        msg_id, future = self.client.send_request(
+            "textDocument/inlineCompletion",
+            {
+                "textDocument": {"uri": self.uri},
+                "position": {"line": self.line, "character": self.character},
+                "context": {"triggerKind": 2},
+            },
+        )  # Automatic
         record.sent_at = time.monotonic()
         self.records.append(record)
         self.by_version[(self.uri, self.version)] = record

@@ -42,30 +42,37 @@ def _indent(line: str) -> str:
     return line[: len(line) - len(line.lstrip(" \t"))]
 
 
-def pick_segment(name: str, text: str, lines: int, rng: random.Random, min_before: int = 0,
-                 min_after: int = 0) -> Segment | None:
+def pick_segment(
+    name: str, text: str, lines: int, rng: random.Random, min_before: int = 0, min_after: int = 0
+) -> Segment | None:
     """`lines` consecutive lines starting at a random code line (not blank, not a comment) with
     at least `min_before` chars above and `min_after` below, or None when there is none."""
     all_lines = text.split("\n")
     offsets = [0]
     for line in all_lines:
         offsets.append(offsets[-1] + len(line) + 1)
-    candidates = [i for i in range(8, len(all_lines) - lines - 1)
-                  if offsets[i] >= min_before and len(text) - offsets[i + lines] >= min_after
-                  and all_lines[i].strip() and not all_lines[i].lstrip().startswith(("#", "//", '"""', "'''"))
-                  and sum(len(x.strip()) for x in all_lines[i:i + lines]) >= 12 * lines
-                  and max(len(x) for x in all_lines[i:i + lines]) <= 120]
+    candidates = [
+        i
+        for i in range(8, len(all_lines) - lines - 1)
+        if offsets[i] >= min_before
+        and len(text) - offsets[i + lines] >= min_after
+        and all_lines[i].strip()
+        and not all_lines[i].lstrip().startswith(("#", "//", '"""', "'''"))
+        and sum(len(x.strip()) for x in all_lines[i : i + lines]) >= 12 * lines
+        and max(len(x) for x in all_lines[i : i + lines]) <= 120
+    ]
     if not candidates:
         return None
     start = rng.choice(candidates)
     before = "\n".join(all_lines[:start]) + "\n"
-    typed = "\n".join(all_lines[start:start + lines]) + "\n"
-    after = "\n".join(all_lines[start + lines:])
+    typed = "\n".join(all_lines[start : start + lines]) + "\n"
+    after = "\n".join(all_lines[start + lines :])
     return Segment(name, before, typed, after)
 
 
 def keystrokes(segment: Segment, cadence: Cadence, rng: random.Random) -> list[Key]:
     """The segment's text as keys: indentation and Enter+indentation are single keys."""
+
     def gap() -> float:
         return cadence.key_ms * rng.uniform(1 - cadence.jitter, 1 + cadence.jitter)
 
@@ -75,10 +82,10 @@ def keystrokes(segment: Segment, cadence: Cadence, rng: random.Random) -> list[K
         indent = _indent(line)
         if n == 0 and indent:
             keys.append(Key(indent, gap()))
-        body = line[len(indent):]
+        body = line[len(indent) :]
         for i, ch in enumerate(body):
             keys.append(Key(ch, gap()))
-            if ch == " " and cadence.word_pause_ms and body[i - 1:i] != " " and i + 1 < len(body):
+            if ch == " " and cadence.word_pause_ms and body[i - 1 : i] != " " and i + 1 < len(body):
                 keys.append(Key("", cadence.word_pause_ms))
         next_indent = _indent(lines[n + 1]) if n + 1 < len(lines) else ""
         keys.append(Key("\n" + next_indent, gap()))

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .compare import init_options
 from .editors import EDITORS
 from .engines import MODES, engine_env, start_daemon, wait_ready
 from .metrics import engine_delta, percentile, summarize
 from .replay import Editor
 from .script import Cadence, Segment
-from .compare import init_options
 
 
 @dataclass
@@ -36,10 +36,25 @@ class SoakConfig:
     seed: int = 0
 
 
-async def _one_editor(n: int, config: SoakConfig, options: dict, env: dict, run_dir: Path, until: float,
-                      rows: list, statuses: list, failures: list) -> int:
-    editor = Editor(EDITORS[config.editor_style], config.cadence, options, env, seed=config.seed + n,
-                    stderr_path=str(run_dir / f"soak-server-{n}.log"))
+async def _one_editor(
+    n: int,
+    config: SoakConfig,
+    options: dict,
+    env: dict,
+    run_dir: Path,
+    until: float,
+    rows: list,
+    statuses: list,
+    failures: list,
+) -> int:
+    editor = Editor(
+        EDITORS[config.editor_style],
+        config.cadence,
+        options,
+        env,
+        seed=config.seed + n,
+        stderr_path=str(run_dir / f"soak-server-{n}.log"),
+    )
     typed = 0
     try:
         await editor.start()
@@ -58,7 +73,9 @@ async def _one_editor(n: int, config: SoakConfig, options: dict, env: dict, run_
 
 async def run_soak(config: SoakConfig, run_dir: Path, progress=print) -> dict:
     mode = MODES[config.mode]
-    daemon = start_daemon(run_dir, f"soak-{config.mode}", mode.prefix_cache, config.model, config.engine_args)
+    daemon = start_daemon(
+        run_dir, f"soak-{config.mode}", mode.prefix_cache, config.model, config.engine_args
+    )
     try:
         kv_start = await wait_ready(daemon)
         options = init_options(daemon, mode.warm_on_change, config.server_options)
@@ -70,9 +87,12 @@ async def run_soak(config: SoakConfig, run_dir: Path, progress=print) -> dict:
         until = started + config.duration_s
         progress(f"soak: {config.editors} editors for {config.duration_s:.0f} s")
         reporter = asyncio.ensure_future(_report_progress(rows, started, progress))
-        typed = await asyncio.gather(*(
-            _one_editor(n, config, options, env, run_dir, until, rows, statuses, failures)
-            for n in range(config.editors)))
+        typed = await asyncio.gather(
+            *(
+                _one_editor(n, config, options, env, run_dir, until, rows, statuses, failures)
+                for n in range(config.editors)
+            )
+        )
         reporter.cancel()
         elapsed = time.monotonic() - started
         kv_end = await _settled_stats(daemon)
@@ -80,13 +100,31 @@ async def run_soak(config: SoakConfig, run_dir: Path, progress=print) -> dict:
         windows = _windows(rows, started, elapsed, config.windows)
         first, last = windows[0]["first_token_p50"], windows[-1]["first_token_p50"]
         return dict(
-            kind="soak", started_at=started, elapsed_s=elapsed, sessions=sum(typed), failures=failures,
-            summary=summary, windows=windows, drift=(last / first) if first and last else None,
-            kv=dict(start=kv_start, end=kv_end, returned=kv_end["blocks_used"] == kv_start["blocks_used"]),
-            records=rows, config=dict(editors=config.editors, duration_s=config.duration_s,
-                                      editor_style=config.editor_style, mode=config.mode,
-                                      cadence=vars(config.cadence), segments=[s.name for s in config.segments],
-                                      model=config.model or "default", engine_args=config.engine_args))
+            kind="soak",
+            started_at=started,
+            elapsed_s=elapsed,
+            sessions=sum(typed),
+            failures=failures,
+            summary=summary,
+            windows=windows,
+            drift=(last / first) if first and last else None,
+            kv=dict(
+                start=kv_start,
+                end=kv_end,
+                returned=kv_end["blocks_used"] == kv_start["blocks_used"],
+            ),
+            records=rows,
+            config=dict(
+                editors=config.editors,
+                duration_s=config.duration_s,
+                editor_style=config.editor_style,
+                mode=config.mode,
+                cadence=vars(config.cadence),
+                segments=[s.name for s in config.segments],
+                model=config.model or "default",
+                engine_args=config.engine_args,
+            ),
+        )
     finally:
         await daemon.stop()
 
@@ -96,7 +134,9 @@ async def _settled_stats(daemon, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await daemon.stats()
-        if (stats.get("running", 0) == 0 and stats.get("waiting", 0) == 0) or time.monotonic() > deadline:
+        if (
+            stats.get("running", 0) == 0 and stats.get("waiting", 0) == 0
+        ) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.2)
 
@@ -104,11 +144,18 @@ async def _settled_stats(daemon, timeout_s: float = 30.0) -> dict:
 async def _report_progress(rows: list, started: float, progress, every_s: float = 30.0) -> None:
     while True:
         await asyncio.sleep(every_s)
-        recent = [r["first_token_ms"] for r in rows if r["key_at"] > time.monotonic() - every_s
-                  and r["first_token_ms"] is not None and r["outcome"] != "cancelled"]
+        recent = [
+            r["first_token_ms"]
+            for r in rows
+            if r["key_at"] > time.monotonic() - every_s
+            and r["first_token_ms"] is not None
+            and r["outcome"] != "cancelled"
+        ]
         errors = sum(r["outcome"] == "error" for r in rows)
-        progress(f"  {time.monotonic() - started:5.0f} s: {len(rows)} requests, {errors} errors, "
-                 f"key→first token p50 (last {every_s:.0f} s) {percentile(recent, 50) or 0:.0f} ms")
+        progress(
+            f"  {time.monotonic() - started:5.0f} s: {len(rows)} requests, {errors} errors, "
+            f"key→first token p50 (last {every_s:.0f} s) {percentile(recent, 50) or 0:.0f} ms"
+        )
 
 
 def _windows(rows: list[dict], started: float, elapsed: float, count: int) -> list[dict]:
@@ -117,9 +164,21 @@ def _windows(rows: list[dict], started: float, elapsed: float, count: int) -> li
     for i in range(count):
         lo, hi = started + i * width, started + (i + 1) * width
         inside = [r for r in rows if lo <= r["key_at"] < hi]
-        first = [r["first_token_ms"] for r in inside if r["first_token_ms"] is not None and r["outcome"] != "cancelled"]
+        first = [
+            r["first_token_ms"]
+            for r in inside
+            if r["first_token_ms"] is not None and r["outcome"] != "cancelled"
+        ]
         ghost = [r["ghost_ms"] for r in inside if r["outcome"] == "shown"]
-        out.append(dict(start_s=i * width, end_s=(i + 1) * width, requests=len(inside),
-                        shown=len(ghost), errors=sum(r["outcome"] == "error" for r in inside),
-                        first_token_p50=percentile(first, 50), ghost_p50=percentile(ghost, 50)))
+        out.append(
+            dict(
+                start_s=i * width,
+                end_s=(i + 1) * width,
+                requests=len(inside),
+                shown=len(ghost),
+                errors=sum(r["outcome"] == "error" for r in inside),
+                first_token_p50=percentile(first, 50),
+                ghost_p50=percentile(ghost, 50),
+            )
+        )
     return out

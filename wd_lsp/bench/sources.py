@@ -25,7 +25,12 @@ def project_files() -> list[tuple[str, str]]:
     for folder in PROJECT_DIRS:
         for path in sorted((PROJECT_ROOT / folder).rglob("*.py")):
             if path.stat().st_size > 2000:
-                out.append((str(path.relative_to(PROJECT_ROOT)), path.read_text(encoding="utf-8", errors="replace")))
+                out.append(
+                    (
+                        str(path.relative_to(PROJECT_ROOT)),
+                        path.read_text(encoding="utf-8", errors="replace"),
+                    )
+                )
     return out
 
 
@@ -37,7 +42,9 @@ def load(source: str) -> list[tuple[str, str]]:
         return project_files()
     if source == "all":
         return heldout_files() + project_files()
-    return [(p, Path(p).read_text(encoding="utf-8", errors="replace")) for p in source.split(",") if p]
+    return [
+        (p, Path(p).read_text(encoding="utf-8", errors="replace")) for p in source.split(",") if p
+    ]
 
 
 # Enough text on both sides to fill the server's default prompt budget (1536 prefix tokens and
@@ -46,8 +53,14 @@ MIN_BEFORE_CHARS = 6000
 MIN_AFTER_CHARS = 2000
 
 
-def segments(files: list[tuple[str, str]], count: int, lines: int, seed: int,
-             min_before: int = MIN_BEFORE_CHARS, min_after: int = MIN_AFTER_CHARS) -> list[Segment]:
+def segments(
+    files: list[tuple[str, str]],
+    count: int,
+    lines: int,
+    seed: int,
+    min_before: int = MIN_BEFORE_CHARS,
+    min_after: int = MIN_AFTER_CHARS,
+) -> list[Segment]:
     """`count` segments, each from a different file (so no replay warms the cache of another),
     drawn in a seeded random order."""
     rng = random.Random(seed)

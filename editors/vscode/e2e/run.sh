@@ -44,7 +44,7 @@ cleanup() {
     if [ -S "$WORK/engine/engine.sock" ]; then
         python - "$WORK/engine/engine.sock" <<'PY' || true
 import asyncio, sys
-from engine.client import EngineClient
+from engine.ipc.client import EngineClient
 async def main():
     c = EngineClient(socket_path=sys.argv[1])
     await c.connect(); await c.request("shutdown"); await c.close()

@@ -1,0 +1,1 @@
+"""Benchmarks and profilers of the engine (not imported by the library)."""

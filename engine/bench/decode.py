@@ -1,0 +1,484 @@
+"""Whole-model decode and prefill speed on the GPU, against the floor and against transformers.
+
+    python -m engine.bench.decode --out decode.json            # H200: Qwen3-30B-A3B shape, random bf16
+    python -m engine.bench.decode --shape tiny --device cpu    # the same code at a tiny shape
+
+Builds the model with random weights straight on the device (no download), fills a KV pool with
+random keys/values for every sequence, and measures in one run:
+- decode tokens/s at each batch size and context: the engine's decode step (`DecodeGraphs`:
+  fused small ops, warp-decode MoE, paged attention) replayed as a CUDA graph, median of many
+  replays; the same with the expert-centric MoE; the eager forward the engine used before;
+- the floor: bytes one step must read (attention and router weights, the experts the batch
+  touches, the KV cache, the lm_head) over the measured read bandwidth;
+- the split of a step: the graph again with the MoE or the attention left out;
+- prefill tokens/s at 4K (one forward, and in the scheduler's 512-token chunks);
+- transformers' own forward (logits against the engine's) and generate on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.kv.pool import KVPool, PagedBatch
+from engine.model.cuda_graph import DecodeGraphs
+from engine.model.random_model import SHAPES, random_model
+
+
+def expected_experts(batch: int, experts: int, top_k: int) -> float:
+    """Distinct experts a batch touches when each token picks k of E uniformly."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+def step_bytes(cfg, batch: int, context: int) -> dict:
+    """Bytes one decode step must read, by part (bf16 weights and KV)."""
+    h, d, e = cfg.hidden_size, cfg.head_dim, 2
+    attn = (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h + h * cfg.num_heads * d
+    experts = (
+        expected_experts(batch, cfg.num_experts, cfg.num_experts_per_tok)
+        * 3
+        * h
+        * cfg.moe_intermediate_size
+    )
+    router = cfg.num_experts * h
+    kv = batch * (context + 1) * 2 * cfg.num_kv_heads * d
+    parts = dict(attention=attn * e, experts=experts * e, router=router * e, kv_cache=kv * e)
+    parts = {k: v * cfg.num_layers for k, v in parts.items()}
+    parts["lm_head"] = cfg.vocab_size * h * e
+    return parts
+
+
+class Timer:
+    """Median seconds of a callable: CUDA events around graph replays, or wall clock on the CPU."""
+
+    def __init__(self, device: str, repeats: int):
+        self.cuda = device.startswith("cuda")
+        self.repeats = repeats
+
+    def __call__(self, fn) -> float:
+        fn()
+        if not self.cuda:
+            times = []
+            for _ in range(max(3, self.repeats // 10)):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        torch.cuda.synchronize()
+        pairs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.repeats)
+        ]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+
+
+class Bench:
+    def __init__(self, model, pool, timer, log):
+        self.model, self.pool, self.timer, self.log = model, pool, timer, log
+        self.block_size = pool.block_size
+
+    def tables(self, batch: int, context: int) -> list[list[int]]:
+        """Each sequence its own run of blocks, holding context + 1 tokens (the new one)."""
+        per = -(-(context + 1) // self.block_size)
+        return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
+
+    def step_time(self, graphs: DecodeGraphs, batch: int, context: int) -> float:
+        """Seconds of one decode step of `batch` sequences after `context` cached tokens."""
+        tokens = torch.randint(0, self.model.config.vocab_size, (batch,)).tolist()
+        graphs.run(tokens, [context] * batch, self.tables(batch, context))  # load (and capture)
+        rows = min(r for r in graphs.steps if r >= batch)
+        graph = graphs.graphs.get(rows)
+        return self.timer(graph.replay if graph is not None else graphs.steps[rows])
+
+    def eager_forward_time(self, batch: int, context: int) -> float:
+        """The plain forward (torch ops from Python, one launch each), as before the graphs."""
+        device = self.model.device
+        tables = self.tables(batch, context)
+        tokens = torch.randint(0, self.model.config.vocab_size, (batch, 1), device=device)
+        positions = torch.full((batch, 1), context, device=device)
+
+        def run():
+            self.model.forward(tokens, positions, PagedBatch(self.pool, tables, device))
+
+        timer = Timer(str(device), max(5, self.timer.repeats // 20))
+        return timer(run)
+
+    def prefill_time(self, tokens: int, chunk: int) -> float:
+        device = self.model.device
+        table = self.tables(1, tokens)[0]
+        ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=device)
+
+        def run():
+            for start in range(0, tokens, chunk):
+                end = min(tokens, start + chunk)
+                pos = torch.arange(start, end, device=device)[None]
+                self.model.forward(
+                    ids[:, start:end], pos, PagedBatch(self.pool, [table], device), last_only=True
+                )
+
+        timer = Timer(str(device), 30)
+        return timer(run)
+
+
+def fill_pool(pool: KVPool, seed: int = 0) -> None:
+    gen = torch.Generator(device=pool.keys[0].device).manual_seed(seed)
+    for layer in range(len(pool.keys)):
+        for store in (pool.keys[layer], pool.values[layer]):
+            store.copy_(
+                torch.randn(store.shape, generator=gen, device=store.device, dtype=torch.float32)
+            )
+
+
+def step_variants(cfg, batch: int, context: int):
+    """(name, projection function or None, attention splits or None) to time against the default."""
+    from functools import partial
+
+    from kernels.gemv import MAX_ROWS, skinny_linear
+    from kernels.paged_attention import default_splits
+
+    auto = default_splits(batch, cfg.num_kv_heads, context + 16)
+    yield f"default (cuBLAS, {auto} splits)", None, None
+    for splits in (8, 16, 32):
+        if splits != auto:
+            yield f"attention {splits} splits", None, splits
+    if batch <= MAX_ROWS:
+        for block_n, block_k, warps in (
+            (16, 256, 4),
+            (32, 256, 4),
+            (16, 512, 4),
+            (32, 128, 4),
+            (64, 128, 8),
+        ):
+            yield (
+                f"skinny linear n{block_n} k{block_k} w{warps}",
+                partial(skinny_linear, block_n=block_n, block_k=block_k, num_warps=warps),
+                None,
+            )
+
+
+def zero_moe(x, w_gate_up, w_down, topk_ids, topk_weights):
+    return torch.zeros_like(x)
+
+
+def expert_centric_moe(x, w_gate_up, w_down, topk_ids, topk_weights):
+    from kernels.dispatch import EXPERT_CENTRIC, run_path
+
+    return run_path(EXPERT_CENTRIC, x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def skip_attention(q, *args, **kwargs):
+    return q
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--split-at", default="1,4096", help="batch,context of the stage split")
+    ap.add_argument("--prefill", type=int, default=4096, help="prefill prompt length (0: skip)")
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--hf-new-tokens", type=int, default=32)
+    ap.add_argument("--hf-contexts", default="1024,4096", help="contexts of transformers' generate")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    split_batch, split_context = (int(v) for v in args.split_at.split(","))
+    results: dict = dict(shape=args.shape, device=args.device)
+    out_lines = []
+
+    def log(msg=""):
+        print(msg, flush=True)
+        out_lines.append(msg)
+
+    def save():
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.perf_counter()
+    model = random_model(SHAPES[args.shape], dtype=dtype, device=args.device)
+    cfg = model.config
+    weight_bytes = sum(t.numel() * t.element_size() for t in _weights(model))
+    log(
+        f"model {args.shape}: {weight_bytes / 1e9:.2f} GB of {dtype} weights built in {time.perf_counter() - t0:.1f} s"
+    )
+    if cuda:
+        from kernels.bench.gpu_timing import read_bandwidth
+
+        bw = read_bandwidth()
+        results["bandwidth"] = bw
+        log(
+            f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s (copy {bw['copy_bytes_per_s'] / 1e12:.2f})"
+        )
+        bandwidth = bw["read_bytes_per_s"]
+    else:
+        bandwidth = None
+
+    max_context = max(contexts + [split_context, args.prefill])
+    per_seq = -(-(max_context + 1) // 16)
+    pool = KVPool(
+        cfg.num_layers,
+        per_seq * max(batches + [split_batch]) + 1,
+        16,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype,
+        args.device,
+    )
+    fill_pool(pool)
+    bench = Bench(model, pool, Timer(args.device, args.replays), log)
+    graph_tokens = max_context + 16
+
+    # -- decode: the engine's step, warp decode and expert-centric ---------------------------------
+    log(
+        "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, fraction of the floor"
+    )
+    decode = []
+    for moe_name, moe_fn in (("warp", None), ("expert_centric", expert_centric_moe)):
+        model.moe_fn = moe_fn
+        for batch in batches:
+            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,))
+            for context in contexts:
+                if moe_name != "warp" and context != split_context:
+                    continue  # the comparison of MoE paths at one context is enough
+                seconds = bench.step_time(graphs, batch, context)
+                parts = step_bytes(cfg, batch, context)
+                row = dict(
+                    moe=moe_name,
+                    batch=batch,
+                    context=context,
+                    step_ms=seconds * 1e3,
+                    tok_s=batch / seconds,
+                    bytes=sum(parts.values()),
+                    bytes_by_part=parts,
+                )
+                if bandwidth:
+                    row["floor_ms"] = row["bytes"] / bandwidth * 1e3
+                    row["floor_tok_s"] = batch / (row["bytes"] / bandwidth)
+                    row["of_floor"] = row["floor_ms"] / row["step_ms"]
+                decode.append(row)
+                floor = (
+                    f"{row['floor_ms']:7.3f} ms {row['floor_tok_s']:7.0f} tok/s {row['of_floor']:5.0%}"
+                    if bandwidth
+                    else ""
+                )
+                log(
+                    f"  {moe_name:>14} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms {row['tok_s']:8.1f} tok/s  {floor}"
+                )
+            del graphs
+            results["decode"] = decode
+            save()
+    model.moe_fn = None
+
+    # -- where a step's time goes -------------------------------------------------------------------
+    log(
+        f"\nsplit of a step at B={split_batch}, ctx={split_context} (leave a stage out, take differences)"
+    )
+    split = {}
+    for name, moe_fn, attention in (
+        ("full", None, None),
+        ("no_moe", zero_moe, None),
+        ("no_attention", None, skip_attention),
+        ("neither", zero_moe, skip_attention),
+    ):
+        model.moe_fn = moe_fn
+        graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,))
+        if attention is not None:
+            graphs.steps[split_batch].attention = attention
+        split[name] = bench.step_time(graphs, split_batch, split_context) * 1e3
+        del graphs
+    model.moe_fn = None
+    split["moe"] = split["full"] - split["no_moe"]
+    split["attention"] = split["full"] - split["no_attention"]
+    split["rest"] = split["neither"]
+    results["split_ms"] = split
+    log("  " + ", ".join(f"{k} {v:.3f} ms" for k, v in split.items()))
+
+    # -- kernel choices for the step, side by side (each its own graph) ----------------------------
+    variants = {}
+    for batch in sorted({split_batch, *batches}):
+        for name, linear, splits in step_variants(cfg, batch, split_context):
+            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,))
+            step = graphs.steps[batch]
+            if linear is not None:
+                step.linear = linear
+            if splits is not None:
+                step.n_splits = splits
+            ms = bench.step_time(graphs, batch, split_context) * 1e3
+            variants[f"B{batch} {name}"] = ms
+            log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
+            del graphs
+    results["step_variants_ms"] = variants
+    save()
+
+    graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)
+    eager_step = bench.step_time(graphs, split_batch, split_context) * 1e3
+    eager_forward = bench.eager_forward_time(split_batch, split_context) * 1e3
+    results["eager_ms"] = dict(step_without_graph=eager_step, plain_forward=eager_forward)
+    log(
+        f"  same step without the graph {eager_step:.2f} ms; the plain eager forward {eager_forward:.2f} ms"
+    )
+    del graphs
+    save()
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    if args.prefill:
+        prefill = {}
+        for chunk in (args.prefill, 512):
+            seconds = bench.prefill_time(args.prefill, chunk)
+            prefill[f"chunk_{chunk}"] = dict(ms=seconds * 1e3, tok_s=args.prefill / seconds)
+            log(
+                f"\nprefill {args.prefill} tokens in chunks of {chunk}: {seconds * 1e3:.1f} ms, "
+                f"{args.prefill / seconds:,.0f} tok/s"
+            )
+        results["prefill"] = prefill
+        save()
+
+    if args.transformers:
+        try:
+            results["transformers"] = compare_transformers(
+                model, [int(c) for c in args.hf_contexts.split(",")], args.hf_new_tokens, log
+            )
+        except Exception as exc:  # noqa: BLE001 - the engine's numbers stand without it
+            log(f"transformers comparison failed: {type(exc).__name__}: {exc}")
+            results["transformers"] = dict(error=f"{type(exc).__name__}: {exc}")
+        save()
+    if args.out:
+        args.out.with_suffix(".txt").write_text("\n".join(out_lines) + "\n")
+    return 0
+
+
+def _weights(model):
+    yield model.embed
+    if model.lm_head is not model.embed:
+        yield model.lm_head
+    for layer in model.layers:
+        yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+
+
+def hf_model_on_engine_weights(model):
+    """transformers' Qwen3MoeForCausalLM whose parameters are views of the engine's tensors."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = model.config
+    raw = dict(cfg.raw) if hasattr(cfg, "raw") else None
+    hf_config = Qwen3MoeConfig(**(raw or _config_dict(cfg)))
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(hf_config)
+    d = cfg.head_dim
+    hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    state = {
+        "model.embed_tokens.weight": model.embed,
+        "model.norm.weight": model.final_norm,
+        "lm_head.weight": model.lm_head,
+    }
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.w_qkv.split([hq, hkv, hkv])
+        state.update(
+            {
+                p + "input_layernorm.weight": layer.input_norm,
+                p + "post_attention_layernorm.weight": layer.post_attention_norm,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.w_o,
+                p + "self_attn.q_norm.weight": layer.q_norm,
+                p + "self_attn.k_norm.weight": layer.k_norm,
+                p + "mlp.gate.weight": layer.router,
+                p + "mlp.experts.gate_up_proj": layer.w_gate_up,
+                p + "mlp.experts.down_proj": layer.w_down,
+            }
+        )
+    hf.load_state_dict(state, assign=True, strict=False)
+    # Buffers made on the meta device (RoPE's inverse frequencies) are rebuilt on the real one.
+    with torch.device(model.device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
+    hf.eval()
+    return hf
+
+
+def _config_dict(cfg) -> dict:
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+@torch.inference_mode()
+def compare_transformers(model, contexts, new_tokens, log) -> dict:
+    hf = hf_model_on_engine_weights(model)
+    device = model.device
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, vocab, (1, 64), generator=gen).to(device)
+    ours = model.forward(ids, torch.arange(64, device=device)[None], model.new_cache(1, 128))[
+        0
+    ].float()
+    theirs = hf(ids).logits[0].float()
+    rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    out = dict(logits_max_rel_diff=rel, argmax_agreement=agree, generate=[])
+    log(
+        f"\ntransformers on the same weights: logits max rel diff {rel:.2e}, argmax agreement {agree:.0%} (64 tokens)"
+    )
+    for context in contexts:
+        prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+        timings = {}
+        for n in (1, 1 + new_tokens):
+            kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            hf.generate(prompt, **kwargs)  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            hf.generate(prompt, **kwargs)
+            _sync(device)
+            timings[n] = time.perf_counter() - t0
+        rate = new_tokens / (timings[1 + new_tokens] - timings[1])
+        out["generate"].append(
+            dict(context=context, decode_tok_s=rate, first_token_ms=timings[1] * 1e3)
+        )
+        log(
+            f"  transformers generate, B=1 ctx={context}: {rate:.1f} tok/s decode, first token {timings[1] * 1e3:.0f} ms"
+        )
+    del hf
+    return out
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

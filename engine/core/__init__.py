@@ -1,0 +1,1 @@
+"""The engine loop: requests, the scheduler, model execution and output assembly."""

@@ -1,0 +1,1 @@
+"""Choosing tokens: sampling, stops, token healing, beam search, speculative drafts."""

@@ -1,0 +1,179 @@
+"""Beam search for short greedy completions (a single line at the cursor).
+
+Greedy decoding takes the likeliest token at each step; the likeliest whole line can start with a
+token that greedy passes over. On the held-out single-line FIM tasks the model scored the true
+line above greedy's output in about a sixth of greedy's misses, and a beam of 4 (blank
+completions not answered) turned more of them into exact matches than it lost (BENCHMARKS.md,
+"Beam search for single-line completions").
+
+The search keeps the `width` likeliest unfinished hypotheses (sum of token log-probabilities),
+each token constrained as greedy's would be (forbidden ids, the healed text at the cursor). A
+hypothesis finishes at an ending token, a stop string or the token budget. Scores only fall as a
+hypothesis grows, so the search ends once no unfinished one scores above the best finished one.
+A finished hypothesis whose text is blank is the answer only if every finished one is blank: a
+suggestion that writes nothing is no suggestion. The caller feeds the chosen tokens through its
+usual output path, so stop strings, the healed text and the budget apply exactly as for greedy.
+
+`BeamTails` holds the K/V of each beam's own tokens beside the prompt's, which all beams share in
+the cache and none writes (Qwen3MoeModel.forward_beams).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.decoding.sampling import forbid
+from engine.decoding.token_healing import Forcing, forcing_for
+from engine.ipc.protocol import MAX_BEAMS
+from engine.loading.tokenizer import Tokenizer
+
+
+@dataclass
+class Hypothesis:
+    score: float  # sum of the log-probabilities of its tokens
+    tokens: list[int]  # the forced tokens, then the completion's
+    forcing: Forcing | None
+    forced_tokens: int = (
+        0  # of `tokens`, those written while the healed text was not yet all written
+    )
+
+
+class BeamTails:
+    """K/V of each beam's own tokens, per layer [B, t, Hkv, D]."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens each beam holds (the last layer is extended last)."""
+        return 0 if self.keys[-1] is None else self.keys[-1].shape[1]
+
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append each beam's new k, v [B, Hkv, D]; the layer's keys and values [B, t, Hkv, D]."""
+        k, v = k[:, None], v[:, None]
+        if self.keys[layer] is not None:
+            k, v = (
+                torch.cat([self.keys[layer], k], dim=1),
+                torch.cat([self.values[layer], v], dim=1),
+            )
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def select(self, parents: list[int]) -> None:
+        """Beam i continues old beam parents[i]."""
+        if self.keys[0] is None:
+            return
+        index = torch.tensor(parents)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+
+
+class BeamSearch:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        width: int,
+        max_tokens: int,
+        stop=(),
+        stop_at_eos: bool = True,
+        forced_text: str = "",
+        vocab_limit: int | None = None,
+    ):
+        if not 1 <= width <= MAX_BEAMS:
+            raise ValueError(f"beam width must be within 1..{MAX_BEAMS}, got {width}")
+        self.tokenizer = tokenizer
+        self.width = width
+        self.max_tokens = max_tokens
+        self.stop = tuple(s for s in stop if s)
+        self.ending = set(tokenizer.eos_ids) if stop_at_eos else set()
+        self.forced_text = forced_text
+        self.vocab_limit = vocab_limit
+        self.live = [Hypothesis(0.0, [], forcing_for(tokenizer, forced_text))]
+        self.best: Hypothesis | None = None  # the best finished one with text
+        self.best_blank: Hypothesis | None = None  # the answer only if nothing else finishes
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+    def step(self, logits: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """Take the live hypotheses' next-token logits [B, V] (row i: live hypothesis i); return
+        (parents, tokens) to compute next, beam i being old beam parents[i] plus tokens[i], or
+        None when the search is over (then `answer()`)."""
+        candidates = []
+        for row, hyp in enumerate(self.live):
+            scores = logits[row, : self.vocab_limit] if self.vocab_limit else logits[row]
+            scores = forbid(scores.float(), self.tokenizer.unsampled_ids)
+            if hyp.forcing is not None and hyp.forcing.active:
+                scores = hyp.forcing.mask(scores)
+            # Twice the width, so that hypotheses finishing here leave enough to go on with.
+            top = torch.topk(F.log_softmax(scores, dim=-1), min(2 * self.width, scores.shape[-1]))
+            for value, token in zip(top.values.tolist(), top.indices.tolist()):
+                if value != float("-inf"):
+                    candidates.append((hyp.score + value, row, token))
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then rank order
+        kept: list[tuple[int, Hypothesis]] = []
+        for score, row, token in candidates:
+            if len(kept) == self.width or not self._may_win(score):
+                break
+            parent = self.live[row]
+            if token in self.ending:
+                self._finished(Hypothesis(score, parent.tokens, None, parent.forced_tokens))
+                continue
+            forcing = copy.copy(parent.forcing)
+            forced = forcing is not None and bool(forcing.remaining)
+            if forcing is not None and forcing.active:
+                forcing.advance(token)
+            hyp = Hypothesis(score, parent.tokens + [token], forcing, parent.forced_tokens + forced)
+            text, stopped = self._text(hyp)
+            if stopped or len(hyp.tokens) - hyp.forced_tokens >= self.max_tokens:
+                self._finished(hyp, text)
+            else:
+                kept.append((row, hyp))
+        kept = [
+            (row, hyp) for row, hyp in kept if self._may_win(hyp.score)
+        ]  # a later finish may beat them
+        self.live = [hyp for _, hyp in kept]
+        if not kept:
+            return None
+        return [row for row, _ in kept], [hyp.tokens[-1] for hyp in self.live]
+
+    def answer(self, partial: bool = False) -> list[int]:
+        """The tokens of the likeliest finished hypothesis with text (else, with `partial` (a
+        deadline), of the likeliest live one; else of the likeliest blank one; else none): feed
+        them through the usual output path."""
+        best = self.best or (self.live[0] if partial and self.live else None) or self.best_blank
+        return list(best.tokens) if best is not None else []
+
+    def _may_win(self, score: float) -> bool:
+        return self.best is None or score > self.best.score
+
+    def _finished(self, hyp: Hypothesis, text: str | None = None) -> None:
+        if text is None:
+            text, _ = self._text(hyp)
+        if text.strip():
+            if self.best is None or hyp.score > self.best.score:
+                self.best = hyp
+        elif self.best_blank is None or hyp.score > self.best_blank.score:
+            self.best_blank = hyp
+
+    def _text(self, hyp: Hypothesis) -> tuple[str, bool]:
+        """The completion's text so far (after the healed text, cut at the first stop string)
+        and whether a stop string ended it."""
+        text = self.tokenizer.decode(hyp.tokens)
+        forced = self.forced_text
+        text = (
+            text[len(forced) :]
+            if text.startswith(forced)
+            else ("" if forced.startswith(text) else text)
+        )
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        return (text[:cut], True) if cut >= 0 else (text, False)

@@ -1,0 +1,1 @@
+"""The KV cache: block allocator with the prefix index, the block pool, block tables."""

@@ -1,0 +1,146 @@
+"""Load a Hugging Face Qwen3-MoE folder into the engine's layout, once, at load time.
+
+Per-expert tensors on disk (`mlp.experts.N.{gate,up,down}_proj.weight`) become the fused
+layout the kernels read: gate_up [E, 2I, H] (gate rows first) and down [E, H, I]. Folders
+saved with the fused in-memory names (`mlp.experts.gate_up_proj`) load too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.loading import int4
+from engine.loading.checkpoint_reader import CheckpointReader
+from engine.loading.fp8 import block_size
+from engine.model.config import ModelConfig, ModelFormatError
+from engine.model.qwen3_moe import LayerWeights, Qwen3MoeModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Default: fp32 on the CPU (fast and exact there), the checkpoint's half type on a GPU."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    experts: range | None = None,
+) -> Qwen3MoeModel:
+    """`experts`: load only these experts of each MoE layer (expert parallelism, `engine.model.expert_parallel`)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFormatError(f"model folder {model_dir} does not exist")
+    config = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    reader = CheckpointReader(model_dir, fp8_block(config), int4_group(config))
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return reader.get(name, shape, dtype).to(device)
+
+    h, d = config.hidden_size, config.head_dim
+    hq, hkv = config.num_heads * d, config.num_kv_heads * d
+    embed = get("model.embed_tokens.weight", config.vocab_size, h)
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        w_qkv = torch.cat(
+            [
+                get(attn + "q_proj.weight", hq, h),
+                get(attn + "k_proj.weight", hkv, h),
+                get(attn + "v_proj.weight", hkv, h),
+            ]
+        )
+        b_qkv = b_o = None
+        if config.attention_bias:
+            b_qkv = torch.cat(
+                [
+                    get(attn + "q_proj.bias", hq),
+                    get(attn + "k_proj.bias", hkv),
+                    get(attn + "v_proj.bias", hkv),
+                ]
+            )
+            b_o = get(attn + "o_proj.bias", h) if attn + "o_proj.bias" in reader else None
+        if config.is_moe_layer(i):
+            w_gate_up, w_down = _load_experts(get, reader, p + "mlp.", config, experts)
+            router = get(p + "mlp.gate.weight", config.num_experts, h)
+        else:
+            inter = config.intermediate_size
+            w_gate_up = torch.cat(
+                [get(p + "mlp.gate_proj.weight", inter, h), get(p + "mlp.up_proj.weight", inter, h)]
+            )
+            w_down = get(p + "mlp.down_proj.weight", h, inter)
+            router = None
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight", h),
+                post_attention_norm=get(p + "post_attention_layernorm.weight", h),
+                w_qkv=w_qkv,
+                b_qkv=b_qkv,
+                q_norm=get(attn + "q_norm.weight", d),
+                k_norm=get(attn + "k_norm.weight", d),
+                w_o=get(attn + "o_proj.weight", h, hq),
+                b_o=b_o,
+                w_gate_up=w_gate_up,
+                w_down=w_down,
+                router=router,
+            )
+        )
+    final_norm = get("model.norm.weight", h)
+    # Tied: the output projection is the embedding matrix itself (HF ignores any saved lm_head).
+    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
+    return Qwen3MoeModel(config, embed, layers, final_norm, lm_head)
+
+
+def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
+    try:
+        return block_size(config.raw)
+    except ValueError as exc:
+        raise ModelFormatError(str(exc)) from exc
+
+
+def int4_group(config: ModelConfig) -> int | None:
+    try:
+        return int4.config_group_size(config.raw)
+    except ValueError as exc:
+        raise ModelFormatError(str(exc)) from exc
+
+
+def _load_experts(
+    get, reader: CheckpointReader, prefix: str, config: ModelConfig, experts: range | None = None
+):
+    e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    experts = range(e) if experts is None else experts
+    if prefix + "experts.gate_up_proj" in reader:
+        gate_up, down = (
+            get(prefix + "experts.gate_up_proj", e, 2 * inter, h),
+            get(prefix + "experts.down_proj", e, h, inter),
+        )
+        if len(experts) == e:
+            return gate_up, down
+        # Fused on disk: read whole, keep the slice (cloned, so the rest is freed).
+        return gate_up[experts.start : experts.stop].clone(), down[
+            experts.start : experts.stop
+        ].clone()
+    gate_up, down = [], []
+    for n in experts:
+        ex = f"{prefix}experts.{n}."
+        gate_up.append(
+            torch.cat(
+                [get(ex + "gate_proj.weight", inter, h), get(ex + "up_proj.weight", inter, h)]
+            )
+        )
+        down.append(get(ex + "down_proj.weight", h, inter))
+    return torch.stack(gate_up), torch.stack(down)

@@ -1,0 +1,125 @@
+"""The weight matrices of the lean CPU decode path (engine.model.qwen3_moe's `_forward_lone` and
+`_forward_rows`), in one of two forms with one interface:
+
+- `Fp32Matrix`: the fp32 values, stored contiguous as [in, out] and used through the [out, in]
+  transposed view: MKL's matrix-vector product streams that layout about 1.3-1.8x faster than
+  the [out, in] contiguous one.
+- `Int8Matrix`: weight-only int8 with one scale per output row (as gpt-fast's int8 mode), multiplied
+  by torch's `_weight_int8pack_mm` with the activations in bf16 and fp32 sums inside. A decode step
+  on a small CPU is bound by the bytes of weights it streams (the shipped model: ~52 MB a token in
+  fp32, at 8-10 GB/s on a 2-core host), and int8 moves a quarter of them: an expert's gate/up
+  product took 33 µs against 119 µs, cache-cold. The cost is rounding: a row's weights to 1/254 of
+  its largest, the activations and results to bf16 (relative 2^-9).
+
+An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
+is one scalar. Both are derived from the weights when built; weights changed later are not seen
+(nothing in the engine changes them).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+
+FORMS = ("int8", "fp32")
+# The dtype each form takes its activations in: converting a vector once, for all the products
+# it feeds, saves a conversion per product.
+INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32}
+
+
+class Fp32Matrix:
+    __slots__ = ("t",)
+
+    def __init__(self, w: torch.Tensor, in_scale: torch.Tensor | None = None):
+        """w [out, in] fp32, times in_scale [in] per column."""
+        t = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
+        if in_scale is None:
+            t.copy_(w.t())
+        else:
+            torch.mul(w.t(), in_scale[:, None], out=t)
+        self.t = t.t()  # the [out, in] values, as a view of the [in, out] storage
+
+    @property
+    def nbytes(self) -> int:
+        return self.t.numel() * self.t.element_size()
+
+    def mv(self, x: torch.Tensor) -> torch.Tensor:
+        """W x for x [in]: [out]."""
+        return torch.mv(self.t, x)
+
+    def addmv(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha W x, the add inside the product."""
+        return torch.addmv(add, self.t, x, alpha=alpha)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for rows x [n, in]: [n, out]."""
+        return torch.mm(x, self.t.t())
+
+    def addmm(self, add: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(add, x, self.t.t())
+
+
+class Int8Matrix:
+    __slots__ = ("q", "scale")
+
+    def __init__(self, w: torch.Tensor, in_scale: torch.Tensor | None = None):
+        w = (w * in_scale) if in_scale is not None else w.float()
+        amax = w.abs().amax(dim=1)
+        # bf16 scales (the kernel's), at least normal: an all-zero row then stays all zero.
+        scale = (amax / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        self.q = (
+            torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        )
+        self.scale = scale
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 2
+
+    # Results are bf16 (the kernel's): where one feeds another product it needs no conversion,
+    # and an add into fp32 promotes it inside the add. x in bf16 saves a conversion.
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(
+            x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.q, self.scale
+        )
+
+    def mv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x[None])[0]
+
+    def addmv(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        return torch.add(add, self.mv(x), alpha=alpha)
+
+    def addmm(self, add: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.add(add, self.mm(x))
+
+
+def matrix(
+    form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None
+) -> Fp32Matrix | Int8Matrix:
+    if form not in FORMS:
+        raise ValueError(f"lone decode weights are one of {FORMS}, not {form!r}")
+    return Int8Matrix(w, in_scale) if form == "int8" else Fp32Matrix(w, in_scale)
+
+
+@functools.cache  # asked at every model's construction; the answer cannot change in a process
+def int8_available() -> bool:
+    """Whether this torch has the int8 weight-only product (it is a private op)."""
+    try:
+        torch._weight_int8pack_mm(
+            torch.ones(1, 8, dtype=torch.bfloat16),
+            torch.ones(8, 8, dtype=torch.int8),
+            torch.ones(8, dtype=torch.bfloat16),
+        )
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def default_form() -> str:
+    """int8 where it was measured to pay (x86-64, whose int8 kernel is vectorized) and this torch
+    has the op; fp32 elsewhere, until measured there."""
+    return (
+        "int8" if platform.machine().lower() in ("x86_64", "amd64") and int8_available() else "fp32"
+    )

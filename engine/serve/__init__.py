@@ -1,0 +1,1 @@
+"""The engine's fronts: the daemon on the private socket and the OpenAI-compatible endpoint."""

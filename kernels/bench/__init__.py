@@ -1,0 +1,1 @@
+"""Benchmarks and tuners of the kernels (not imported by the library)."""
