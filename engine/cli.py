@@ -16,7 +16,9 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def _generate(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level, so `wd-engine --help` stays instant.
-    from engine.core.generate import PromptTooLong, generate
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
+    from engine.core.request import Request, RequestFailed
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
     from engine.model.config import ModelFormatError
@@ -26,18 +28,16 @@ def _generate(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     try:
         t0 = time.perf_counter()
-        model = load_model(model_dir, dtype=args.dtype, device=args.device)
+        options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
+        model = load_model(model_dir, dtype=args.dtype, device=args.device, options=options)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        if args.moe_path:
-            model.moe_path = args.moe_path
-        set_cpu_decode_weights(model, args.cpu_decode_weights)
-        model.prepare_lone_decode()  # CPU: the decode step's weight copies, counted as load, not decode
+        # CPU: the decode step's weight copies, counted as load, not as decode.
+        model.prepare_lone_decode()
         load_s = time.perf_counter() - t0
         if args.fim_prefix is not None or args.fim_suffix is not None:
             order = args.fim_order
-            if (
-                order == "auto"
-            ):  # the model's cache-friendly suffix-first order when it was trained with it
+            # The model's cache-friendly suffix-first order when it was trained with it.
+            if order == "auto":
                 order = "spm" if "spm" in supported_fim_orders(model_dir) else "psm"
             prompt_ids = build_fim_prompt(
                 tokenizer, args.fim_prefix or "", args.fim_suffix or "", order, heal=True
@@ -51,37 +51,50 @@ def _generate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        stream = generate(
-            model,
-            tokenizer,
+        request = Request(
             prompt_ids,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
-            stop=args.stop or (),
+            stop=tuple(args.stop or ()),
             forced_text=forced_text,
             beams=args.beams,
         )
-        for delta in stream:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        context = model.config.max_position_embeddings
+        engine = Engine(model, tokenizer, EngineOptions.one_shot(request, context))
+        done = engine.complete(request, _write_delta).check()
         if args.newline:
             sys.stdout.write("\n")
-    except (ModelFormatError, FimUnsupported, PromptTooLong, ValueError) as exc:
+    except (ModelFormatError, FimUnsupported, RequestFailed, ValueError) as exc:
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
     if args.stats:
-        s = stream.stats
-        if stream.text and not stream.text.endswith("\n") and not args.newline:
+        if done.text and not done.text.endswith("\n") and not args.newline:
             sys.stdout.write("\n")  # keep the timings off the completion's last line
             sys.stdout.flush()
-        print(
-            f"[load {load_s * 1000:.0f} ms | prompt {s.prompt_tokens} tok, prefill {s.prefill_s * 1000:.1f} ms | "
-            f"{s.completion_tokens} tok, decode {s.decode_tokens_per_s:.1f} tok/s | finish: {s.finish_reason}]",
-            file=sys.stderr,
-        )
+        print(_stats_line(load_s, done), file=sys.stderr)
     return 0
+
+
+def _write_delta(event) -> None:
+    if event.kind == "delta":
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+
+
+def _stats_line(load_s: float, done) -> str:
+    """`generate --stats`: load, prefill and first token, and the decode rate (the tokens after
+    the first over the time after it), from the completion's usage."""
+    usage = done.usage
+    first_ms = usage["first_token_ms"] or usage["total_ms"]
+    decode_s = (usage["total_ms"] - first_ms) / 1000
+    rate = max(len(done.token_ids) - 1, 0) / decode_s if decode_s > 0 else 0.0
+    return (
+        f"[load {load_s * 1000:.0f} ms | prompt {usage['prompt_tokens']} tok, "
+        f"prefill {usage['prefill_ms']:.1f} ms, first token {first_ms:.1f} ms | "
+        f"{done.completion_tokens} tok, decode {rate:.1f} tok/s | finish: {done.finish_reason}]"
+    )
 
 
 def kv_pool_bytes(requested_mb: int | None, device) -> int:
@@ -97,7 +110,7 @@ def kv_pool_bytes(requested_mb: int | None, device) -> int:
     return 256 << 20
 
 
-def _random_model(args: argparse.Namespace):
+def _random_model(args: argparse.Namespace, options):
     """Random weights of a named shape (latency benchmarks only: the text is noise)."""
     import torch
 
@@ -111,7 +124,7 @@ def _random_model(args: argparse.Namespace):
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[args.dtype]
-    model = random_model(config, dtype=dtype, device=device, seed=args.random_seed)
+    model = random_model(config, dtype=dtype, device=device, seed=args.random_seed, options=options)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
     return model
@@ -124,59 +137,61 @@ CPU_DECODE_WEIGHTS_HELP = (
 )
 
 
-def set_cpu_decode_weights(model, form: str | None) -> None:
-    """The weights the lean CPU decode step streams (engine.model.lone_matrices); None keeps the
-    model's default. int8 needs torch's int8 product."""
+def model_options(device, moe_path: str | None, cpu_decode_weights: str | None):
+    """The model's options (engine.model.options) from the command line.
+
+    `moe_path`: None or `auto` is the model's own choice (on CUDA the Triton dispatcher: warp
+    decode for a few tokens, expert-centric for many); an explicit path is forced for every MoE
+    layer: the torch reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp
+    decode there). `cpu_decode_weights`: the weights the lean CPU decode step streams
+    (engine.model.lone_matrices), None the platform's default; int8 needs torch's int8 product."""
     import logging
+    from functools import partial
+
+    import torch
 
     from engine.model.lone_matrices import int8_available
+    from engine.model.options import ModelOptions
+    from kernels import dispatch
 
-    if form is None:
-        return
+    form = cpu_decode_weights
     if form == "int8" and not int8_available():
         logging.getLogger("wd_engine").warning(
             "this torch has no int8 weight-only product: CPU decode steps use fp32 weights"
         )
         form = "fp32"
-    model.lone_weights = form
-
-
-def set_moe_path(model, path: str) -> None:
-    """`auto`: the model's own choice (on CUDA the Triton dispatcher: warp decode for a few
-    tokens, expert-centric for many). An explicit path is forced for every MoE layer: the torch
-    reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp decode there)."""
-    if path == "auto":
-        return
-    if model.device.type != "cuda":
-        model.moe_path = path
-        return
-    from functools import partial
-
-    from kernels import dispatch
-
+    path = moe_path or "auto"
+    if path == "auto" or torch.device(device).type != "cuda":
+        return ModelOptions(moe_path=path, lone_weights=form)
     kernel = dispatch.WARP_DECODE if path == "output_centric" else dispatch.EXPERT_CENTRIC
-    model.moe_fn = partial(dispatch.run_path, kernel)
+    return ModelOptions(lone_weights=form, moe_fn=partial(dispatch.run_path, kernel))
 
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.ipc import paths
+    from engine.ipc.socket_path import SocketInUse, UnsafeSocketPath, prepare_socket_path
 
     try:
         log = _setup_logging(args)
     except (OSError, paths.UnsafeRuntimeDir, paths.UnsafeLogFile) as exc:
         print(f"wd-engine: cannot log: {exc}", file=sys.stderr)
         return 1
-    try:  # before the model loads: a bad token file is a quick error, not one after a long load
+    # Before the model loads: a path in the way or a bad token file is a quick error, not one
+    # after a long load.
+    try:
+        socket_path = Path(args.socket) if args.socket else paths.socket_path()
+        prepare_socket_path(socket_path)
         token = _tcp_token(args, log) if args.tcp_port is not None else None
         http = _http_options(args, log) if args.http_port is not None else None
-    except (TokenFileError, paths.UnsafeRuntimeDir, OSError) as exc:
+    except (UnsafeSocketPath, SocketInUse, TokenFileError, paths.UnsafeRuntimeDir, OSError) as exc:
         log.error("%s", exc)
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
     # torch only now: a daemon refused above exits without the seconds its import takes
-    from engine.core.scheduler import Engine
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
     from engine.serve.daemon import EngineServer, ServeOptions
@@ -185,12 +200,11 @@ def _serve(args: argparse.Namespace) -> int:
     name = f"random {args.random_shape}" if args.random_shape else model_dir.name
     try:
         t0 = time.perf_counter()
+        options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
         if args.random_shape:  # the folder gives only the tokenizer (and its FIM conventions)
-            model = _random_model(args)
+            model = _random_model(args, options)
         else:
-            model = load_model(model_dir, dtype=args.dtype, device=args.device)
-        set_moe_path(model, args.moe_path)
-        set_cpu_decode_weights(model, args.cpu_decode_weights)
+            model = load_model(model_dir, dtype=args.dtype, device=args.device, options=options)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         log.info(
             "loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)",
@@ -199,7 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.device,
             model.dtype,
             args.moe_path,
-            model.lone_weights if model.lone_path_applies() else "unused",
+            model.options.lone_weights if model.lone_path_applies() else "unused",
         )
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
@@ -210,9 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.random_shape
         else str(model_dir.resolve())
     )
-    engine = Engine(
-        model,
-        tokenizer,
+    engine_options = EngineOptions(
         block_size=args.block_size,
         kv_fp8=args.kv_fp8,
         kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device),
@@ -221,11 +233,12 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_cache=not args.no_prefix_cache,
         speculative=not args.no_speculative,
     )
+    engine = Engine(model, tokenizer, engine_options)
     idle_timeout = args.idle_timeout
     if idle_timeout is None:  # an HTTP server is started on purpose: it stays until stopped
         idle_timeout = float("inf") if http else 900.0
     options = ServeOptions(
-        socket_path=Path(args.socket) if args.socket else paths.socket_path(),
+        socket_path=socket_path,
         tcp_host=args.tcp_host,
         tcp_port=args.tcp_port,
         token=token,
@@ -239,6 +252,55 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _parallel(args: argparse.Namespace) -> int:
+    """One rank of expert-parallel generation (engine.model.expert_parallel), one process per
+    GPU under torchrun: every rank runs the engine's loop on the same request, rank 0 prints."""
+    import torch.distributed as dist
+
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
+    from engine.core.request import Request
+    from engine.loading.loader import load_model, resolve_dtype
+    from engine.loading.tokenizer import Tokenizer
+    from engine.model import expert_parallel
+    from engine.model.config import ModelConfig
+    from engine.model.options import ModelOptions
+
+    model_dir = args.model or default_model_dir()
+    device = expert_parallel.init_distributed(args.device)
+    try:
+        experts = expert_parallel.rank_experts(ModelConfig.from_dir(model_dir).num_experts)
+        local = load_model(
+            model_dir,
+            dtype=resolve_dtype(args.dtype, device),
+            device=device,
+            experts=experts,
+            options=ModelOptions(moe_path=args.moe_path),
+        )
+        model = expert_parallel.shard(local, experts)
+        tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
+        request = Request(tokenizer.encode(args.prompt), max_tokens=args.max_tokens)
+        context = model.config.max_position_embeddings
+        engine = Engine(model, tokenizer, EngineOptions.one_shot(request, context))
+        events = []
+        engine.submit(request, events.append)
+        engine.run_until_idle()
+        if events[-1].kind == "error":
+            raise RuntimeError(events[-1].error)
+        text = "".join(e.text for e in events if e.kind == "delta")
+        # Every rank decoded the same tokens; check it rather than trust it.
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, text)
+        if any(s != seen[0] for s in seen):
+            raise RuntimeError(f"ranks disagree on the completion: {seen}")
+        if dist.get_rank() == 0:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
@@ -282,9 +344,8 @@ def _http_options(args: argparse.Namespace, log):
     )
     if not token:
         token = _runtime_token("http.token", "http bearer token", log)
-    from engine.serve.openai_http import (
-        HttpOptions,
-    )  # torch, through engine.core.scheduler: once the token is settled
+    # starlette, uvicorn and torch (through engine.core): only once the token is settled
+    from engine.serve.openai_http import HttpOptions
 
     return HttpOptions(host=args.http_host, port=args.http_port, token=token)
 
@@ -354,13 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout",
         type=float,
         default=float(idle) if idle else None,
-        help="exit after this many seconds without clients (default 900, or $WD_ENGINE_IDLE_TIMEOUT; "
-        "with --http-port: never)",
+        help="exit after this many seconds without clients "
+        "(default 900, or $WD_ENGINE_IDLE_TIMEOUT; with --http-port: never)",
     )
     serve.add_argument(
         "--http-port",
         type=int,
-        help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port (0: any)",
+        help="also serve an OpenAI-compatible API (/v1/completions, /v1/models) on this port "
+        "(0: any)",
     )
     serve.add_argument(
         "--http-host", default="127.0.0.1", help="HTTP bind address (default loopback only)"
@@ -422,6 +484,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-file", help="log here (default: $XDG_STATE_HOME/wd-lsp/engine.log)")
     serve.add_argument("--foreground", action="store_true", help="also log to stderr")
     serve.set_defaults(run=_serve)
+
+    par = commands.add_parser(
+        "parallel",
+        help="expert-parallel generation, one process per GPU: "
+        "torchrun --nproc-per-node N -m engine.cli parallel --prompt TEXT",
+    )
+    par.add_argument(
+        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
+    )
+    par.add_argument("--prompt", required=True, help="plain text prompt")
+    par.add_argument("--max-tokens", type=int, default=32)
+    par.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    par.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    par.add_argument(
+        "--moe-path", choices=("auto", "expert_centric", "output_centric"), default="auto"
+    )
+    par.set_defaults(run=_parallel)
     return parser
 
 

@@ -3,8 +3,8 @@
 CUDA tensors go to Triton: warp decode (output-centric), its deduplicated variant (an expert's
 gate/up rows read once per batch), its batched variant (every token in each program) or the
 expert-centric fused MoE, whichever the crossover table in `kernels/configs/crossover.json`
-measured faster at this (tokens, k, E); CPU tensors go to the torch references. The table is written by
-`python -m kernels.bench.moe --tune` on the GPU.
+measured faster at this (tokens, k, E); CPU tensors go to the torch references. The table is
+written by `python -m kernels.bench.moe --tune` on the GPU.
 """
 
 from __future__ import annotations

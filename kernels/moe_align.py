@@ -84,8 +84,8 @@ def max_rows(numel: int, n_experts: int, block_m: int) -> int:
 
 
 # Past this many (token, slot) pairs the one-program kernel's serial loop is the bottleneck
-# (1.25 ms for a 4K-token prefill, against 0.5 ms for the expert GEMM it prepares); a few
-# parallel torch ops (a stable sort, a scatter-add, a search) do the same grouping.
+# (it takes longer than the expert GEMM it prepares); a few parallel torch ops (a stable sort, a
+# scatter-add, a search) do the same grouping.
 ONE_PROGRAM_MAX_PAIRS = 2048
 
 

@@ -70,7 +70,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_mask(
     q_positions: torch.Tensor, seq: int, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """[..., T, S] True where a query at q_positions [..., T] may see key j (key j sits at position j)."""
+    """[..., T, S] True where a query at q_positions [..., T] may see key j (key j sits at
+    position j)."""
     key_pos = torch.arange(seq, device=q_positions.device)
     allowed = key_pos <= q_positions[..., None]
     if sliding_window is not None:
@@ -256,7 +257,9 @@ def route_one(logits: list[float], top_k: int, norm_topk_prob: bool) -> list[tup
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """Softmax -> top-k -> optional renormalise. Returns (topk_ids [T,k] int64, topk_weights [T,k] fp32).
+    """Softmax -> top-k -> optional renormalise.
+
+    Returns (topk_ids [T,k] int64, topk_weights [T,k] fp32).
 
     The weights stay fp32: both MoE paths fold them into an fp32 accumulator.
     """
@@ -326,7 +329,8 @@ def moe_output_centric(
             # The expert's weights are read in place: indexing w[topk_ids] would copy them.
             gate_up = F.linear(x32[t], w_gate_up[e].float())
             hidden = F.silu(gate_up[:inter]) * gate_up[inter:]
-            # Round the intermediate to the activation dtype, as the kernel stores it between its two launches.
+            # Round the intermediate to the activation dtype, as the kernel stores it between its
+            # two launches.
             hidden = hidden.to(x.dtype).float()
             y = F.linear(hidden, w_down[e].float()) * weights[t, j]
             acc = y if acc is None else acc + y

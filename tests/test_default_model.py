@@ -13,7 +13,7 @@ import torch
 MODEL_DIR = Path(__file__).resolve().parents[1] / "engine" / "models" / "wd-coder-tiny"
 HAS_ENGINE = all(
     importlib.util.find_spec(m)
-    for m in ("engine.loading.loader", "engine.core.generate", "engine.prompts.fim")
+    for m in ("engine.loading.loader", "engine.core.engine", "engine.prompts.fim")
 )
 needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="engine modules not present")
 
@@ -85,16 +85,19 @@ def test_engine_logits_match_transformers(hf_model):
 @needs_engine
 def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
     """The CPU's lone decode step streams int8 weight copies (by default on x86-64;
-    engine.model.lone_matrices); on the shipped model its greedy tokens are still fp32 transformers' own."""
-    from engine.core.generate import complete
+    engine.model.lone_matrices); on the shipped model its greedy tokens are still fp32
+    transformers' own."""
+    from engine_runs import complete
+
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
     from engine.model.lone_matrices import int8_available
+    from engine.model.options import ModelOptions
 
     if not int8_available():
         pytest.skip("this torch lacks the int8 weight-only product")
-    model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
-    model.lone_weights = "int8"
+    model = load_model(MODEL_DIR, options=ModelOptions(lone_weights="int8"))
+    tok = Tokenizer.from_dir(MODEL_DIR)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         _, stats = complete(model, tok, ids, max_tokens=32, stop_at_eos=False)
@@ -115,7 +118,8 @@ def test_transformers_loads_and_predicts_code(hf_model):
 
     tok = load_tokenizer(MODEL_DIR / "tokenizer.json")
     ids = tok.encode(
-        "import os\nimport sys\n\n\ndef main():\n    print(sys.argv)\n\n\nif __name__ == '__main__':\n   "
+        "import os\nimport sys\n\n\ndef main():\n    print(sys.argv)\n\n\n"
+        "if __name__ == '__main__':\n   "
     ).ids
     with torch.no_grad():
         nxt = hf_model(torch.tensor([ids])).logits[0, -1].argmax().item()
@@ -234,10 +238,11 @@ def test_eval_prompts_fit_the_models_context(tmp_path, layout):
 
 @needs_engine
 def test_eval_editor_context_is_the_servers_fitted_budget(tmp_path):
-    from engine.train import eval as evaluation
+    from wd_lsp.bench import editor_eval
+    from wd_lsp.config import Settings
 
     out = tmp_path / "eval.json"
-    evaluation.main(
+    editor_eval.main(
         [
             "--model",
             str(MODEL_DIR),
@@ -250,7 +255,6 @@ def test_eval_editor_context_is_the_servers_fitted_budget(tmp_path):
             "--bpb-tokens",
             "0",
             "--allow-changed",
-            "--editor-context",
             "--json",
             str(out),
         ]
@@ -258,6 +262,7 @@ def test_eval_editor_context_is_the_servers_fitted_budget(tmp_path):
     result = json.loads(out.read_text())
     prefix_chars, suffix_chars = result["context_chars"]
     assert result["layout"] == "server" and 0 < suffix_chars < prefix_chars < 3.5 * 1024
+    assert result["server_max_tokens"] == Settings().max_tokens
 
 
 @needs_engine

@@ -37,7 +37,8 @@ class EngineAddress:
 
 @dataclass(frozen=True)
 class OpenAIServer:
-    """An OpenAI-compatible /v1/completions server (vLLM, SGLang, llama.cpp, `wd-engine serve --http-port`)."""
+    """An OpenAI-compatible /v1/completions server (vLLM, SGLang, llama.cpp,
+    `wd-engine serve --http-port`)."""
 
     base_url: str = field(
         default_factory=lambda: _env(OPENAI_URL_ENV_VAR, "http://127.0.0.1:8000/v1")

@@ -60,9 +60,9 @@ class Budget:
         """This budget shrunk to a model whose context (the longest row it was trained on) is
         `max_context` tokens, leaving room for the reply. Tokens are estimated from characters,
         so the prompt keeps a margin under the engine's own limit. Code denser than ~2.8
-        characters a token still overruns it (about 1 context in 15 of long files); the engine
-        then drops whole lines from the prefix's start, in steps, so the cut stays put while the
-        user types. Extra chunks get only what the prefix's cap leaves, so none below ~2,900
+        characters a token still overruns it (rarely, on long files); the engine then drops
+        whole lines from the prefix's start, in steps, so the cut stays put while the user
+        types. Extra chunks get only what the prefix's cap leaves, so none below ~2,900
         tokens."""
         if not max_context:
             return self

@@ -31,7 +31,7 @@ from engine.ipc.client import (
     SpawnConfig,
     SpawnFailed,
 )
-from engine.ipc.protocol import BAD_REQUEST
+from engine.ipc.protocol import ErrorCode
 
 from .config import Settings
 from .context import CompletionContext, encodable
@@ -219,7 +219,9 @@ class EngineLink:
             # A daemon started by an older wd-lsp (it stays resident) knows no beams: greedy
             # until the next connection.
             if not (
-                exc.code == BAD_REQUEST and "beams" in exc.message and params.pop("beams", None)
+                exc.code == ErrorCode.BAD_REQUEST
+                and "beams" in exc.message
+                and params.pop("beams", None)
             ):
                 raise
             self._beams_refused = True

@@ -77,7 +77,7 @@ def language_by_name(name: str) -> Language:
 
 @cache
 def _ts_language(grammar: str) -> Any:
-    # Imported here: loading the grammar pack costs ~20 ms the server need not pay at start.
+    # Imported here: loading the grammar pack takes time the server need not spend at start.
     from tree_sitter_language_pack import get_language
 
     return get_language(grammar)

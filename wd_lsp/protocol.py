@@ -122,7 +122,8 @@ class WdProtocol(LanguageServerProtocol):
         self.handle_message(message)
 
     def _structure(self, data: dict) -> Any:
-        """The typed message, as pygls' `structure_message` builds it, for an envelope already checked."""
+        """The typed message, as pygls' `structure_message` builds it, for an envelope already
+        checked."""
         if (method := data.get("method")) is not None:
             fallback = JsonRPCRequestMessage if "id" in data else JsonRPCNotification
             return self._converter.structure(data, self.get_message_type(method) or fallback)
@@ -152,7 +153,8 @@ class WdProtocol(LanguageServerProtocol):
             )
 
     def _send_error(self, msg_id: int | str | None, error: JsonRpcException) -> None:
-        # A plain dict: lsprotocol's converter leaves out `"id": null`, which JSON-RPC requires here.
+        # A plain dict: lsprotocol's converter leaves out `"id": null`, which JSON-RPC requires
+        # here.
         self._send_data(
             {
                 "jsonrpc": self.VERSION,

@@ -61,7 +61,8 @@ class WdLanguageServer(LanguageServer):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def configure_backend(self) -> None:
-        """Use the backend the settings ask for (the engine daemon or an OpenAI-compatible server)."""
+        """Use the backend the settings ask for: the engine daemon or an OpenAI-compatible
+        server."""
         wanted = EngineLink
         if self.settings.backend == "openai":
             from .openai_backend import OpenAIBackend as wanted  # httpx is imported only when used

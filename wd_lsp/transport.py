@@ -20,7 +20,8 @@ cannot hold a raw line break). So:
   declared length ends inside such a header line (the body is short by fewer bytes than the line),
   the reader first takes the rest of the line (or the end of the stream): taking only the declared
   bytes would cut the header's name, and hunting would then skip the whole next message. A valid
-  JSON body never ends in the start of a header line, so this never waits for bytes that may not come.
+  JSON body never ends in the start of a header line, so this never waits for bytes that may not
+  come.
 
 Each incident is logged once, when the reader is back in step (or at the end of the stream).
 """
@@ -127,7 +128,8 @@ class Framer:
         return True
 
     async def _read_headers(self) -> tuple[int, int] | None:
-        """(Content-Length, header block size) of the block at the buffer's start; None if broken."""
+        """(Content-Length, header block size) of the block at the buffer's start; None if
+        broken."""
         start, length = 0, None
         while True:
             end = self._buf.find(b"\n", start)
@@ -161,7 +163,8 @@ class Framer:
         return None
 
     async def _read_body(self, length: int) -> bytes | None:
-        """`length` bytes, fewer where a header starts inside them; None at the end of the stream."""
+        """`length` bytes, fewer where a header starts inside them; None at the end of the
+        stream."""
         scanned = 0
         while True:
             cut = self._header_inside(scanned, length)
@@ -188,10 +191,12 @@ class Framer:
                 return None
 
     def _header_inside(self, start: int, length: int) -> int | None:
-        """Where a header line starts inside the first `length` buffered bytes, searched from `start`."""
+        """Where a header line starts inside the first `length` buffered bytes, searched from
+        `start`."""
         end = min(len(self._buf), length + _EMBED_SPAN)
         if self._buf.find(b"\n", start, min(len(self._buf), length)) < 0:
-            # Without a line break in the body a header's own would lie past it: only its end can hold one.
+            # Without a line break in the body a header's own would lie past it: only its end
+            # can hold one.
             start = max(start, length - _EMBED_SPAN)
         match = _EMBEDDED_HEADER.search(self._buf, start, end)
         return match.start() if match is not None and match.start() < length else None
@@ -241,7 +246,8 @@ def _is_header_line_start(text: bytes) -> bool:
 
 
 class StdinChunks:
-    """Chunks of a file descriptor, read by a daemon thread: a blocked read never holds up the exit."""
+    """Chunks of a file descriptor, read by a daemon thread: a blocked read never holds up the
+    exit."""
 
     def __init__(self, fd: int):
         self._fd = fd

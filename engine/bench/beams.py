@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.request import Request
 from engine.ipc.protocol import MAX_BEAMS
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
@@ -30,13 +31,10 @@ from engine.prompts.layout import fim_prompt_within
 def timed_completion(
     engine: Engine, prompt: list[int], forced: str, beams: int
 ) -> tuple[str, float]:
-    events = []
     t0 = time.perf_counter()
-    engine.submit(
-        Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams), events.append
-    )
-    engine.run_until_idle()
-    return "".join(e.text for e in events if e.kind == "delta"), 1000 * (time.perf_counter() - t0)
+    request = Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams)
+    done = engine.complete(request).check()
+    return done.text, 1000 * (time.perf_counter() - t0)
 
 
 def main(argv=None) -> None:

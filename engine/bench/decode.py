@@ -1,7 +1,7 @@
 """Whole-model decode and prefill speed on the GPU, against the floor and against transformers.
 
-    python -m engine.bench.decode --out decode.json            # H200: Qwen3-30B-A3B shape, random bf16
-    python -m engine.bench.decode --shape tiny --device cpu    # the same code at a tiny shape
+    python -m engine.bench.decode --out decode.json          # H200: Qwen3-30B-A3B, random bf16
+    python -m engine.bench.decode --shape tiny --device cpu  # the same code at a tiny shape
 
 Builds the model with random weights straight on the device (no download), fills a KV pool with
 random keys/values for every sequence, and measures in one run:
@@ -217,7 +217,8 @@ def main(argv=None) -> int:
     cfg = model.config
     weight_bytes = sum(t.numel() * t.element_size() for t in _weights(model))
     log(
-        f"model {args.shape}: {weight_bytes / 1e9:.2f} GB of {dtype} weights built in {time.perf_counter() - t0:.1f} s"
+        f"model {args.shape}: {weight_bytes / 1e9:.2f} GB of {dtype} weights built in "
+        f"{time.perf_counter() - t0:.1f} s"
     )
     if cuda:
         from kernels.bench.gpu_timing import read_bandwidth
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
         bw = read_bandwidth()
         results["bandwidth"] = bw
         log(
-            f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s (copy {bw['copy_bytes_per_s'] / 1e12:.2f})"
+            f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s "
+            f"(copy {bw['copy_bytes_per_s'] / 1e12:.2f})"
         )
         bandwidth = bw["read_bytes_per_s"]
     else:
@@ -248,13 +250,14 @@ def main(argv=None) -> int:
 
     # -- decode: the engine's step, warp decode and expert-centric ---------------------------------
     log(
-        "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, fraction of the floor"
+        "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, "
+        "fraction of the floor"
     )
     decode = []
     for moe_name, moe_fn in (("warp", None), ("expert_centric", expert_centric_moe)):
-        model.moe_fn = moe_fn
+        path_model = model.with_options(moe_fn=moe_fn)
         for batch in batches:
-            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,))
+            graphs = DecodeGraphs(path_model, pool, graph_tokens, buckets=(batch,))
             for context in contexts:
                 if moe_name != "warp" and context != split_context:
                     continue  # the comparison of MoE paths at one context is enough
@@ -275,21 +278,23 @@ def main(argv=None) -> int:
                     row["of_floor"] = row["floor_ms"] / row["step_ms"]
                 decode.append(row)
                 floor = (
-                    f"{row['floor_ms']:7.3f} ms {row['floor_tok_s']:7.0f} tok/s {row['of_floor']:5.0%}"
+                    f"{row['floor_ms']:7.3f} ms {row['floor_tok_s']:7.0f} tok/s "
+                    f"{row['of_floor']:5.0%}"
                     if bandwidth
                     else ""
                 )
                 log(
-                    f"  {moe_name:>14} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms {row['tok_s']:8.1f} tok/s  {floor}"
+                    f"  {moe_name:>14} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
+                    f"{row['tok_s']:8.1f} tok/s  {floor}"
                 )
             del graphs
             results["decode"] = decode
             save()
-    model.moe_fn = None
 
-    # -- where a step's time goes -------------------------------------------------------------------
+    # -- where a step's time goes ------------------------------------------------------------------
     log(
-        f"\nsplit of a step at B={split_batch}, ctx={split_context} (leave a stage out, take differences)"
+        f"\nsplit of a step at B={split_batch}, ctx={split_context} "
+        "(leave a stage out, take differences)"
     )
     split = {}
     for name, moe_fn, attention in (
@@ -298,13 +303,12 @@ def main(argv=None) -> int:
         ("no_attention", None, skip_attention),
         ("neither", zero_moe, skip_attention),
     ):
-        model.moe_fn = moe_fn
-        graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,))
+        stage_model = model.with_options(moe_fn=moe_fn)
+        graphs = DecodeGraphs(stage_model, pool, graph_tokens, buckets=(split_batch,))
         if attention is not None:
             graphs.steps[split_batch].attention = attention
         split[name] = bench.step_time(graphs, split_batch, split_context) * 1e3
         del graphs
-    model.moe_fn = None
     split["moe"] = split["full"] - split["no_moe"]
     split["attention"] = split["full"] - split["no_attention"]
     split["rest"] = split["neither"]
@@ -333,12 +337,13 @@ def main(argv=None) -> int:
     eager_forward = bench.eager_forward_time(split_batch, split_context) * 1e3
     results["eager_ms"] = dict(step_without_graph=eager_step, plain_forward=eager_forward)
     log(
-        f"  same step without the graph {eager_step:.2f} ms; the plain eager forward {eager_forward:.2f} ms"
+        f"  same step without the graph {eager_step:.2f} ms; "
+        f"the plain eager forward {eager_forward:.2f} ms"
     )
     del graphs
     save()
 
-    # -- prefill ----------------------------------------------------------------------------------------
+    # -- prefill -----------------------------------------------------------------------------------
     if args.prefill:
         prefill = {}
         for chunk in (args.prefill, 512):
@@ -451,7 +456,8 @@ def compare_transformers(model, contexts, new_tokens, log) -> dict:
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     out = dict(logits_max_rel_diff=rel, argmax_agreement=agree, generate=[])
     log(
-        f"\ntransformers on the same weights: logits max rel diff {rel:.2e}, argmax agreement {agree:.0%} (64 tokens)"
+        f"\ntransformers on the same weights: logits max rel diff {rel:.2e}, "
+        f"argmax agreement {agree:.0%} (64 tokens)"
     )
     for context in contexts:
         prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
@@ -469,7 +475,8 @@ def compare_transformers(model, contexts, new_tokens, log) -> dict:
             dict(context=context, decode_tok_s=rate, first_token_ms=timings[1] * 1e3)
         )
         log(
-            f"  transformers generate, B=1 ctx={context}: {rate:.1f} tok/s decode, first token {timings[1] * 1e3:.0f} ms"
+            f"  transformers generate, B=1 ctx={context}: {rate:.1f} tok/s decode, "
+            f"first token {timings[1] * 1e3:.0f} ms"
         )
     del hf
     return out

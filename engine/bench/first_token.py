@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
 from engine.models import default_model_dir
@@ -51,20 +53,13 @@ def source_text(min_chars: int) -> str:
 
 
 def first_token_ms(engine: Engine, prompt_ids: list[int]) -> float:
-    events = []
-    engine.submit(Request(prompt_ids, max_tokens=1, stop_at_eos=False), events.append)
-    engine.run_until_idle()
-    if events[-1].kind != "done":
-        raise RuntimeError(events[-1].error)
-    return events[-1].usage["first_token_ms"]
+    done = engine.complete(Request(prompt_ids, max_tokens=1, stop_at_eos=False)).check()
+    return done.usage["first_token_ms"]
 
 
 def decode_rate(engine: Engine, prompt_ids: list[int], n: int) -> float:
     """Batch-1 decode tokens/s after the (cached) prompt: (n - 1) steps over their time."""
-    events = []
-    engine.submit(Request(prompt_ids, max_tokens=n, stop_at_eos=False), events.append)
-    engine.run_until_idle()
-    usage = events[-1].usage
+    usage = engine.complete(Request(prompt_ids, max_tokens=n, stop_at_eos=False)).check().usage
     return (n - 1) / ((usage["total_ms"] - usage["first_token_ms"]) / 1000)
 
 
@@ -139,11 +134,12 @@ def main(argv=None) -> int:
         f"{torch.get_num_threads()} threads, block {args.block_size}"
     )
     print(
-        f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8} {'decode tok/s':>13}"
+        f"{'prompt':>8} {'cold ms':>10} {'warm ms':>10} {'speed-up':>9} {'new tok':>8} "
+        f"{'decode tok/s':>13}"
     )
     results = []
     first_token_ms(
-        Engine(model, tokenizer, num_blocks=64, block_size=args.block_size),
+        Engine(model, tokenizer, EngineOptions(num_blocks=64, block_size=args.block_size)),
         tokenizer.encode(text[:2000]),
     )
     for n in contexts:
@@ -151,17 +147,14 @@ def main(argv=None) -> int:
             print(f"{n:>8}  skipped: the model's context is {limit}")
             continue
         before, after = prompt_pair(tokenizer, text, n)
-        blocks = 2 * (len(after) // args.block_size + 4)
+        options = EngineOptions(
+            num_blocks=2 * (len(after) // args.block_size + 4), block_size=args.block_size
+        )
         cold, warm = [], []
         for _ in range(args.repeat):
-            cold.append(
-                first_token_ms(
-                    Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size), after
-                )
-            )
-            engine = Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size)
-            engine.submit(Request(before, warm_only=True), lambda e: None)
-            engine.run_until_idle()
+            cold.append(first_token_ms(Engine(model, tokenizer, options), after))
+            engine = Engine(model, tokenizer, options)
+            engine.complete(Request(before, warm_only=True))
             warm.append(first_token_ms(engine, after))
         row = dict(
             prompt_tokens=len(after),
@@ -175,7 +168,8 @@ def main(argv=None) -> int:
         )
         results.append(row)
         print(
-            f"{row['prompt_tokens']:>8} {row['cold_ms']:>10.1f} {row['warm_ms']:>10.1f} {row['speedup']:>8.1f}x "
+            f"{row['prompt_tokens']:>8} {row['cold_ms']:>10.1f} {row['warm_ms']:>10.1f} "
+            f"{row['speedup']:>8.1f}x "
             f"{row['new_tokens']:>8} {row['decode_tok_s'] or 0:>13.1f}"
         )
     if args.json:

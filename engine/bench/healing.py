@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.request import Request
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
 from engine.models import default_model_dir
@@ -41,8 +42,7 @@ def first_text_ms(engine: Engine, ids: list[int], forced: str) -> float:
         if event.kind == "delta" and event.text and not first:
             first.append(time.perf_counter())
 
-    engine.submit(Request(ids, max_tokens=24, stop=("\n",), forced_text=forced), on_event)
-    engine.run_until_idle()
+    engine.complete(Request(ids, max_tokens=24, stop=("\n",), forced_text=forced), on_event).check()
     return 1000 * ((first[0] if first else time.perf_counter()) - t0)
 
 
@@ -64,15 +64,13 @@ def main(argv=None) -> None:
             engine = Engine(model, tok)
             # one keystroke earlier; prompts fit the model's context as the daemon's do
             warm = fim_prompt_within(tok, prefix[:-1], suffix, "spm", context, 24, heal=heal)
-            engine.submit(Request(warm, warm_only=True), lambda event: None)
-            engine.run_until_idle()
+            engine.complete(Request(warm, warm_only=True))
             ids = fim_prompt_within(tok, prefix, suffix, "spm", context, 24, heal=heal)
             times[heal].append(first_text_ms(engine, ids, healed_text(tok, prefix) if heal else ""))
     for heal in (False, True):
-        print(
-            f"{'healed' if heal else 'not healed':>10}: first text p50 {statistics.median(times[heal]):.1f} ms "
-            f"over {len(times[heal])} files"
-        )
+        p50 = statistics.median(times[heal])
+        name = "healed" if heal else "not healed"
+        print(f"{name:>10}: first text p50 {p50:.1f} ms over {len(times[heal])} files")
 
 
 if __name__ == "__main__":

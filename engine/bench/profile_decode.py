@@ -1,7 +1,7 @@
 """Which kernels a decode step or a prefill spends its GPU time in, from torch's profiler.
 
-    python -m engine.bench.profile_decode [--layers 8] [--context 4096] [--rows 1]    # the decode step
-    python -m engine.bench.profile_decode --prefill 4096 --chunk 512                  # a chunked prefill
+    python -m engine.bench.profile_decode [--layers 8] [--context 4096] [--rows 1]  # a step
+    python -m engine.bench.profile_decode --prefill 4096 --chunk 512                # a prefill
 
 A Qwen3-30B-A3B-shaped model with random weights (fewer layers: each layer is identical work).
 The decode step is the engine's fused step (`engine.model.cuda_graph.DecodeStep`) run without its
@@ -71,7 +71,8 @@ def main(argv=None):
     events = prof.key_averages()
     gpu_ms = sum(e.self_device_time_total for e in events) / 1000
     print(
-        f"{what}, {args.layers} layers: GPU busy {gpu_ms:.2f} ms ({gpu_ms / args.layers:.3f} ms per layer)"
+        f"{what}, {args.layers} layers: GPU busy {gpu_ms:.2f} ms "
+        f"({gpu_ms / args.layers:.3f} ms per layer)"
     )
     print(
         events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60)

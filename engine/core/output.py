@@ -1,10 +1,19 @@
-"""From sampled token ids to released text: UTF-8-safe detokenisation, stop strings, EOS and
-the token limit, in one place for every generation loop."""
+"""The output stage: from sampled token ids to released text (UTF-8-safe detokenisation, stop
+strings, EOS and the token limit), one per request, for every generation path of the engine."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
 from engine.decoding.stops import StopMatcher
+from engine.decoding.token_healing import forcing_for
 from engine.loading.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.core.request import TokenBudget
+    from engine.core.state import RequestState
 
 
 class OutputAssembler:
@@ -16,9 +25,9 @@ class OutputAssembler:
         stop_at_eos: bool = True,
         skip_text: str = "",
     ):
-        # skip_text: what the first tokens are forced to write (engine.decoding.token_healing), which the
-        # caller already has; it is neither released nor matched against the stop strings, and
-        # the tokens that write it do not count against max_tokens.
+        # skip_text: what the first tokens are forced to write (engine.decoding.token_healing),
+        # which the caller already has; it is neither released nor matched against the stop
+        # strings, and the tokens that write it do not count against max_tokens.
         self.skip_text = skip_text
         self.forced_tokens = 0
         self.decoder = tokenizer.stream_decoder()
@@ -84,3 +93,20 @@ class OutputAssembler:
         if self.stop.stopped:
             self.finish_reason = "stop"
         return delta + self.stop.flush()
+
+
+class OutputSetup:
+    """Sets up a completion's output when it is admitted, once its budget is known: its
+    assembler, its healing constraint and its seeded generator."""
+
+    def __init__(self, tokenizer: Tokenizer, device: torch.device):
+        self.tokenizer, self.device = tokenizer, device
+
+    def __call__(self, a: RequestState, budget: TokenBudget) -> None:
+        req = a.request
+        a.output = OutputAssembler(
+            self.tokenizer, budget.completion, req.stop, req.stop_at_eos, skip_text=req.forced_text
+        )
+        a.forcing = forcing_for(self.tokenizer, req.forced_text)
+        if req.seed is not None:
+            a.generator = torch.Generator(device=self.device).manual_seed(req.seed)

@@ -1,5 +1,6 @@
-"""What goes into the engine and what comes out: a request, its events, and the typed refusals whose
-`ErrorCode` every front (the daemon, the OpenAI endpoint, `wd-engine generate`) reports as is."""
+"""What goes into the engine and what comes out: a request, its events, a one-shot caller's
+gathered `Completion`, the typed refusals whose `ErrorCode` every front (the daemon, the OpenAI
+endpoint, `wd-engine generate`) reports as is, and the checks and token budget of a request."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.ipc.protocol import ErrorCode
+from engine.ipc.protocol import MAX_BEAMS, ErrorCode
 
 
 class RequestRefused(RuntimeError):
@@ -22,10 +23,14 @@ class RequestRefused(RuntimeError):
             self.code = code
 
 
-class EmptyPrompt(RequestRefused):
-    """A request without a prompt token: there is nothing to continue."""
+class BadRequest(RequestRefused):
+    """A request whose parameters make no sense to the engine."""
 
     code = ErrorCode.BAD_REQUEST
+
+
+class EmptyPrompt(BadRequest):
+    """A request without a prompt token: there is nothing to continue."""
 
 
 class ContextExceeded(RequestRefused):
@@ -60,6 +65,40 @@ def check_prompt(prompt_tokens: int, context_length: int, max_tokens: int | None
         )
 
 
+def check_request(request: Request, context_length: int) -> None:
+    """Refuse what the engine can never run, whatever the pool holds: the prompt's checks, and a
+    beam width outside what one lean forward takes."""
+    check_prompt(len(request.prompt_ids), context_length)
+    if not 1 <= request.beams <= MAX_BEAMS:
+        raise BadRequest(f"beams must be within 1..{MAX_BEAMS}, got {request.beams}")
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """The tokens a request's KV blocks must hold: its prompt, room for the tokens that write the
+    forced text (at most one per byte), and the completion's own budget, all within the model's
+    context."""
+
+    prompt: int
+    forced: int
+    completion: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.forced + self.completion
+
+
+def token_budget(request: Request, context_length: int) -> TokenBudget:
+    """A warm-up only prefills; a completion gets the forced text's room first, then up to its
+    `max_tokens` of what the context leaves (finishing with "length" where that is less)."""
+    prompt = len(request.prompt_ids)
+    if request.warm_only:
+        return TokenBudget(prompt, 0, 0)
+    forced = min(len(request.forced_text.encode()), context_length - prompt)
+    completion = max(min(request.max_tokens, context_length - prompt - forced), 0)
+    return TokenBudget(prompt, forced, completion)
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -89,3 +128,56 @@ class Event:
     error: str | None = None
     logits: torch.Tensor | None = None
     code: ErrorCode | None = None  # an error's code
+    token_ids: list[int] | None = None  # done: the tokens that wrote the forced text, then the rest
+
+
+class RequestFailed(RuntimeError):
+    """A one-shot request that ended in an error event; `code` is the event's."""
+
+    def __init__(self, message: str, code: ErrorCode | None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Completion:
+    """A request's events gathered, for a caller that waits for the whole answer
+    (`Engine.complete`): its text, how it ended and its usage, or its error."""
+
+    request_id: str
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    error: str | None = None
+    code: ErrorCode | None = None
+
+    def add(self, event: Event) -> None:
+        if event.kind == "delta":
+            self.text += event.text
+        elif event.kind == "done":
+            self.finish_reason, self.usage, self.logits = (
+                event.finish_reason,
+                event.usage,
+                event.logits,
+            )
+            self.token_ids = list(event.token_ids or ())
+        else:
+            self.error, self.code = event.error, event.code
+
+    def check(self) -> Completion:
+        """Itself, or RequestFailed where the request ended in an error."""
+        if self.error is not None:
+            raise RequestFailed(self.error, self.code)
+        return self
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated after the forced text."""
+        return self.usage["completion_tokens"] if self.usage else 0
+
+    @property
+    def forced_tokens(self) -> int:
+        """Tokens that wrote the forced text (engine.decoding.token_healing)."""
+        return len(self.token_ids) - self.completion_tokens

@@ -1,10 +1,10 @@
 """Beam search for short greedy completions (a single line at the cursor).
 
 Greedy decoding takes the likeliest token at each step; the likeliest whole line can start with a
-token that greedy passes over. On the held-out single-line FIM tasks the model scored the true
-line above greedy's output in about a sixth of greedy's misses, and a beam of 4 (blank
-completions not answered) turned more of them into exact matches than it lost (BENCHMARKS.md,
-"Beam search for single-line completions").
+token that greedy passes over. On the held-out single-line FIM tasks the model often scores the
+true line above greedy's output where greedy misses, and a small beam (blank completions not
+answered) turns more of those misses into exact matches than it loses (BENCHMARKS.md, "Beam
+search for single-line completions").
 
 The search keeps the `width` likeliest unfinished hypotheses (sum of token log-probabilities),
 each token constrained as greedy's would be (forbidden ids, the healed text at the cursor). A
@@ -15,12 +15,14 @@ suggestion that writes nothing is no suggestion. The caller feeds the chosen tok
 usual output path, so stop strings, the healed text and the budget apply exactly as for greedy.
 
 `BeamTails` holds the K/V of each beam's own tokens beside the prompt's, which all beams share in
-the cache and none writes (Qwen3MoeModel.forward_beams).
+the cache and none writes (Qwen3MoeModel.forward_beams). `BeamRun` is one request's search as the
+engine drives it: a step at a time, each step one forward of the beams' rows.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -177,3 +179,29 @@ class BeamSearch:
         )
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class BeamRun:
+    """One request's search in the engine: the search, its beams' own K/V, and the beams the next
+    step computes."""
+
+    def __init__(self, search: BeamSearch, num_layers: int):
+        self.search = search
+        self.tails = BeamTails(num_layers)
+        self.feed: tuple[list[int], list[int]] | None = None  # (parents, tokens) of the next step
+
+    def start(self, logits: torch.Tensor) -> bool:
+        """Take the prompt's next-token logits [V]; False when the search is already over."""
+        self.feed = self.search.step(logits[None])
+        return self.feed is not None
+
+    def step(self, forward: Callable[[list[int], BeamTails], torch.Tensor]) -> bool:
+        """One step: `forward(tokens, tails)` gives the beams' logits [B, V] for their new tokens
+        (tails already reordered to the beams' parents); False when the search is over."""
+        parents, tokens = self.feed
+        self.tails.select(parents)
+        self.feed = self.search.step(forward(tokens, self.tails))
+        return self.feed is not None
+
+    def answer(self, partial: bool = False) -> list[int]:
+        return self.search.answer(partial)

@@ -1,10 +1,13 @@
-"""Next-token choice: greedy, or temperature with nucleus (top-p) filtering, seeded."""
+"""Next-token choice: greedy, or temperature with nucleus (top-p) filtering, seeded; and the one
+rule every generation path applies to a request's next token (`TokenChooser`)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+from engine.decoding.token_healing import Forcing
 
 # Below this a temperature is greedy for all practical purposes, and dividing by it overflows.
 GREEDY_BELOW = 1e-5
@@ -19,9 +22,8 @@ def forbid(logits: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _index(token_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(
-        token_ids, device=device
-    )  # made once: a copy to the GPU per step would stall
+    # Made once: a copy to the GPU per step would stall.
+    return torch.tensor(token_ids, device=device)
 
 
 def sample(
@@ -41,3 +43,43 @@ def sample(
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class TokenChooser:
+    """A request's next token: ids past the tokenizer's vocabulary (a checkpoint's padded
+    embedding rows) and the ones it never samples are impossible, the healed text's constraint
+    holds while it is active, and a greedy id already taken on the device (CUDA graphs) is used
+    only where none of that could change it."""
+
+    def __init__(self, unsampled_ids: tuple[int, ...], vocab_limit: int | None):
+        self.unsampled_ids = tuple(unsampled_ids)
+        self.vocab_limit = vocab_limit
+
+    def visible(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] without the padded ids."""
+        return logits[..., : self.vocab_limit] if self.vocab_limit is not None else logits
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        forcing: Forcing | None = None,
+        device_greedy: int | torch.Tensor | None = None,
+    ) -> int:
+        """The token for logits [V]; advances `forcing` by it."""
+        logits = self.visible(logits)
+        if device_greedy is not None and int(device_greedy) in self.unsampled_ids:
+            device_greedy = None  # the device's argmax does not know the forbidden ids
+        forced = forcing is not None and forcing.active
+        if forced:
+            logits, device_greedy = forcing.mask(logits), None  # nor the constraint
+        if device_greedy is not None and temperature < GREEDY_BELOW:
+            token = int(device_greedy)
+        else:
+            logits = forbid(logits, self.unsampled_ids)
+            token = int(sample(logits[None], temperature, top_p, generator))
+        if forced:
+            forcing.advance(token)
+        return token

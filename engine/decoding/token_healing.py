@@ -147,7 +147,7 @@ class TokenHealer:
 
 
 def token_healer(tokenizer) -> TokenHealer:
-    """The tokenizer's healer, built once (the vocabulary scan takes a few tens of milliseconds)."""
+    """The tokenizer's healer, built once: it scans the whole vocabulary."""
     healer = getattr(tokenizer, "_token_healer", None)
     if healer is None:
         healer = TokenHealer(tokenizer)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from engine.ipc import paths
 from engine.ipc import protocol as P
+from engine.ipc.protocol import ErrorCode
+from engine.ipc.socket_path import file_kind
 
 log = logging.getLogger(__name__)
 
@@ -380,10 +382,11 @@ def _encode_request(request_id: int, method: str, params: dict) -> bytes:
     try:
         return P.encode_frame({"id": request_id, "method": method, "params": params})
     except P.FrameError as exc:
-        raise EngineError(P.BAD_FRAME, f"the {method!r} request is not sent: {exc}") from exc
+        message = f"the {method!r} request is not sent: {exc}"
+        raise EngineError(ErrorCode.BAD_FRAME, message) from exc
     except (UnicodeEncodeError, TypeError, ValueError, OverflowError) as exc:
         raise EngineError(
-            P.BAD_REQUEST, f"the {method!r} request cannot be encoded: {exc}"
+            ErrorCode.BAD_REQUEST, f"the {method!r} request cannot be encoded: {exc}"
         ) from exc
 
 
@@ -431,22 +434,12 @@ def check_socket_path(path: Path) -> bool:
         raise UnsafeSocket(f"cannot check the engine socket path {path}: {exc}") from exc
     if not stat.S_ISSOCK(info.st_mode):
         raise UnsafeSocket(
-            f"{path} is {_kind(info.st_mode)}, not the engine's socket: remove it "
+            f"{path} is {file_kind(info.st_mode)}, not the engine's socket: remove it "
             "or set another socket path; no engine is started meanwhile"
         )
     if info.st_uid != os.getuid():
         raise UnsafeSocket(f"the socket {path} belongs to uid {info.st_uid}, not to this user")
     return True
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    return "a special file"
 
 
 def peer_uid(sock: socket.socket) -> int | None:

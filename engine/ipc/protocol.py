@@ -23,9 +23,8 @@ from enum import StrEnum
 import msgpack
 
 PROTOCOL_VERSION = 1
-MAX_BEAMS = (
-    8  # a beam search's rows go through one lean forward (engine.model.qwen3_moe.LONE_MAX_ROWS)
-)
+# A beam search's rows go through one lean forward (engine.model.qwen3_moe.LONE_MAX_ROWS).
+MAX_BEAMS = 8
 MAX_FRAME_BYTES = 8 << 20  # a 5 MB file plus context fits; anything larger is refused
 # Frames before a connection's hello: a hello is small, and until it is checked (a TCP peer's
 # token) the peer may be anyone, who must not make the engine hold megabytes per connection.
@@ -47,35 +46,13 @@ class ErrorCode(StrEnum):
     POOL_FULL = "pool_full"  # the KV pool can never hold the request
     ENGINE_ERROR = "engine_error"
     SHUTTING_DOWN = "shutting_down"
-    CONTEXT_EXCEEDED = (
-        "context_exceeded"  # the prompt (with max_tokens) exceeds the model's context
-    )
+    # The prompt (with max_tokens, where the contract asks) exceeds the model's context.
+    CONTEXT_EXCEEDED = "context_exceeded"
     TOO_MANY_REQUESTS = "too_many_requests"  # the connection already has its cap of requests open
     SLOW_READER = "slow_reader"  # cancelled: its connection left too much output unread
 
 
-# Module-level names of the codes, until every caller says ErrorCode.X.
-BAD_FRAME = ErrorCode.BAD_FRAME
-BAD_REQUEST = ErrorCode.BAD_REQUEST
-UNKNOWN_METHOD = ErrorCode.UNKNOWN_METHOD
-UNAUTHORIZED = ErrorCode.UNAUTHORIZED
-VERSION_MISMATCH = ErrorCode.VERSION_MISMATCH
-POOL_FULL = ErrorCode.POOL_FULL
-ENGINE_ERROR = ErrorCode.ENGINE_ERROR
-SHUTTING_DOWN = ErrorCode.SHUTTING_DOWN
-CONTEXT_EXCEEDED = ErrorCode.CONTEXT_EXCEEDED
-TOO_MANY_REQUESTS = ErrorCode.TOO_MANY_REQUESTS
-SLOW_READER = ErrorCode.SLOW_READER
-
 PATH_MAX_CHARS = 4096  # a file path longer than any file system takes is not a path
-
-
-class RequestError(ValueError):
-    """A request refused with one of the codes above; `str()` is the message for the client."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class FrameError(ValueError):
@@ -119,7 +96,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
     return decode_body(body)
 
 
-def error_message(request_id, code: str, message: str) -> dict:
+def error_message(request_id, code: ErrorCode, message: str) -> dict:
     return {"id": request_id, "error": {"code": code, "message": message}}
 
 
@@ -141,9 +118,8 @@ class CompletionParams:
     client: str | None = None
     deadline_ms: float | None = None
     fim_order: str = "auto"
-    beams: int = (
-        1  # > 1: beam search for a greedy completion (a single line), engine.decoding.beam_search
-    )
+    # > 1: beam search for a greedy completion (a single line), engine.decoding.beam_search.
+    beams: int = 1
 
     @classmethod
     def from_params(cls, params) -> CompletionParams:
@@ -175,9 +151,7 @@ class CompletionParams:
                 or not lo <= value <= hi
             ):
                 raise ValueError(f"'{name}' must be a number in [{lo}, {hi}]")
-        if (
-            _as_float32(p.top_p) == 0.0
-        ):  # sampling runs in float32, where such a top_p keeps no token
+        if _as_float32(p.top_p) == 0.0:  # sampling runs in float32: such a top_p keeps no token
             raise ValueError(
                 f"'top_p' must be at least {FLOAT32_TINIEST:.1e}, float32's smallest positive "
                 f"value (sampling computes in float32); {p.top_p!r} is 0 there"

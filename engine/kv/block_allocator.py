@@ -153,8 +153,8 @@ class BlockAllocator:
         All or nothing: raises PoolExhausted without side effects."""
         if n > self.available():
             raise PoolExhausted(
-                f"KV pool exhausted: need {n} blocks, {len(self.free)} free and {len(self.evictable)} "
-                f"evictable of {self.num_blocks}"
+                f"KV pool exhausted: need {n} blocks, {len(self.free)} free and "
+                f"{len(self.evictable)} evictable of {self.num_blocks}"
             )
         out = []
         for _ in range(n):

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv.cache import LoneRows, ModelCache
 from kernels import reference as ref
 
 
-class KVCache:
+class KVCache(ModelCache):
     def __init__(self, num_layers, batch, num_kv_heads, head_dim, capacity, dtype, device):
         self.shape = (batch, capacity, num_kv_heads, head_dim)
         # Zeros, not empty: masked slots still meet V in probs @ V, and 0 * NaN garbage is NaN.
@@ -50,25 +51,14 @@ class KVCache:
             self.values[layer][:, : self.used].transpose(1, 2),
         )
 
-    def lone_slots(self, position: int) -> tuple[int, list[tuple[int, int]]] | None:
-        """For the model's lone decode path: one CPU row's new token at `position`, past every
-        position written so far. Its slot and the one run of positions 0..position, or None."""
-        if self.shape[0] != 1 or self.keys[0].device.type != "cpu" or position + 1 < self.used:
-            return None
-        self.reserve(position + 1)
-        self.used = position + 1
-        return position, [(0, position + 1)]
-
-    def lone_rows(
-        self, position: int, count: int
-    ) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
-        """`lone_slots` for `count` new tokens at positions position.. (0: only the run of positions
-        0..position-1, which every row of a beam search sees). None past a gap of unwritten slots."""
+    def lone_rows(self, position: int, count: int) -> LoneRows | None:
+        """`ModelCache.lone_rows`: the one row's slots are its positions, and positions
+        0..position+count-1 are one run. None past a gap of unwritten slots."""
         if self.shape[0] != 1 or self.keys[0].device.type != "cpu" or position > self.used:
             return None
         self.reserve(position + count)
         self.used = max(self.used, position + count)
-        return torch.arange(position, position + count), [(0, position + count)]
+        return LoneRows(list(range(position, position + count)), [(0, position + count)])
 
     def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's key and value buffers of the one row, [capacity, Hkv, D] each."""

@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.kv.cache import LoneRows, ModelCache
 from kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
@@ -85,11 +86,11 @@ class KVPool:
             store[:, d] = store[:, s]
 
 
-class PagedBatch:
+class PagedBatch(ModelCache):
     """The model's cache argument for one forward over several sequences' block tables.
 
-    Same contract as the contiguous `KVCache`: `attend` stores this step's K/V at the tokens'
-    positions, then runs causal attention over every key each row may see.
+    The contiguous `KVCache`'s contract (`engine.kv.cache.ModelCache`): `attend` stores this step's
+    K/V at the tokens' positions, then runs causal attention over every key each row may see.
     """
 
     def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
@@ -100,7 +101,7 @@ class PagedBatch:
         # Built at the first layer and shared by the rest: every layer sees the same positions.
         self._tables_i32 = self._lengths = self._row_runs = None
 
-    # Built on first use: a lone CPU decode step (`lone_slots`) needs neither.
+    # Built on first use: a lean CPU forward (`lone_rows`) needs neither.
     @functools.cached_property
     def tables(self) -> torch.Tensor:  # [B, blocks]
         width = max(len(t) for t in self.block_tables)
@@ -119,28 +120,17 @@ class PagedBatch:
             raise AssertionError(f"block table covers {covered} tokens, forward needs {length}")
         self.kv_len = length
 
-    def lone_slots(self, position: int) -> tuple[int, list[tuple[int, int]]] | None:
-        """For the model's lone decode path: one CPU sequence's new token at `position` (it sees
-        every earlier key). Its flat slot and the slot runs of positions 0..position, or None
-        where the general path must run (several rows, fp8 storage, a GPU pool)."""
-        if not self._lone():
-            return None
-        table, bs = self.block_tables[0], self.pool.block_size
-        self.reserve(position + 1)
-        return table[position // bs] * bs + position % bs, slot_runs(table, bs, position + 1)
-
-    def lone_rows(
-        self, position: int, count: int
-    ) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
-        """`lone_slots` for `count` new tokens at positions position.. (the lean CPU forward of a
-        few rows, e.g. a speculative draft's verification): their flat slots [count] and the
-        slot runs of positions 0..position+count-1. Each row sees the keys up to its own."""
+    def lone_rows(self, position: int, count: int) -> LoneRows | None:
+        """`ModelCache.lone_rows` for one CPU sequence (e.g. a decode step's token, or a
+        speculative draft's verification): its rows' flat slots and the slot runs of positions
+        0..position+count-1. None where the general path must run (several sequences, fp8
+        storage, a GPU pool)."""
         if not self._lone():
             return None
         table, bs = self.block_tables[0], self.pool.block_size
         self.reserve(position + count)
         slots = [table[p // bs] * bs + p % bs for p in range(position, position + count)]
-        return torch.tensor(slots), slot_runs(table, bs, position + count)
+        return LoneRows(slots, slot_runs(table, bs, position + count))
 
     def _lone(self) -> bool:
         pool = self.pool

@@ -40,7 +40,8 @@ class BlockTable:
                 self.blocks[index] = fresh
 
     def fork(self) -> BlockTable:
-        """A second table sharing every block; whichever writes first into a shared block copies it."""
+        """A second table sharing every block; whichever writes first into a shared block copies
+        it."""
         for block in self.blocks:
             self.allocator.acquire(block)
         return BlockTable(self.allocator, self.pool, list(self.blocks))

@@ -80,7 +80,8 @@ class CheckpointReader:
         if scale_name in self._file_of:
             if tensor.dtype != FP8 or tensor.ndim != 2:
                 raise ModelFormatError(
-                    f"tensor {name!r} has a {scale_name!r} but is {tensor.dtype}, not a 2-D fp8 matrix"
+                    f"tensor {name!r} has a {scale_name!r} but is {tensor.dtype}, "
+                    "not a 2-D fp8 matrix"
                 )
             if self.fp8_block is None:
                 raise ModelFormatError(
@@ -98,11 +99,13 @@ class CheckpointReader:
     def _get_int4(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.int4_group is None:
             raise ModelFormatError(
-                f"tensor {name!r} is int4 but config.json has no compressed-tensors quantization_config"
+                f"tensor {name!r} is int4 but config.json has no compressed-tensors "
+                "quantization_config"
             )
         if name + "_g_idx" in self._file_of:  # activation order: groups permuted over the columns
             raise ModelFormatError(
-                f"int4 tensor {name!r} has a group index (activation order), which this engine does not read"
+                f"int4 tensor {name!r} has a group index (activation order), "
+                "which this engine does not read"
             )
         for part in ("_scale", "_shape"):
             if name + part not in self._file_of:
@@ -112,7 +115,8 @@ class CheckpointReader:
         stored = self._tensor(name + "_shape")
         if stored.shape != (2,) or stored.is_floating_point():
             raise ModelFormatError(
-                f"tensor {name!r}: {name + '_shape'!r} must hold two integers, got {stored.tolist()!r}"
+                f"tensor {name!r}: {name + '_shape'!r} must hold two integers, "
+                f"got {stored.tolist()!r}"
             )
         stored_shape = tuple(int(n) for n in stored.tolist())
         if stored_shape != tuple(shape):

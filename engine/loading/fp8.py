@@ -35,10 +35,13 @@ def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
 
 
 def block_scales(w: torch.Tensor, block: int) -> torch.Tensor:
-    """Power-of-two scale per block, the smallest with |w| / scale <= FP8_MAX: [ceil(out/B), ceil(in/B)]."""
+    """Power-of-two scale per block, the smallest with |w| / scale <= FP8_MAX.
+
+    Shape [ceil(out/B), ceil(in/B)]."""
     blocks, _, _ = _blocks(w.detach().float(), block)
     amax = blocks.abs().amax(dim=(1, 3))
-    # An all-zero block would get a subnormal scale, which GPUs flush to 0 (0/0 = NaN): keep it normal.
+    # An all-zero block would get a subnormal scale, which GPUs flush to 0 (0/0 = NaN): keep it
+    # normal.
     return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)).clamp(min=MIN_SCALE_EXP))
 
 

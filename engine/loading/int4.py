@@ -80,8 +80,8 @@ def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     if sys.byteorder != "little":  # the words' nibbles, in order, by shifts
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
         return (((packed[..., None] >> shifts) & 0xF) - 8).flatten(1).to(torch.int8)
-    # Value 2j sits in byte j's low nibble and 2j+1 in its high one: split bytes (a model's worth
-    # of weights unpacks several times faster than by shifting words).
+    # Value 2j sits in byte j's low nibble and 2j+1 in its high one: split bytes, one mask and one
+    # shift over a byte view instead of eight shifts of each word.
     nibbles = packed.view(torch.uint8)
     return torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).flatten(1) - 8
 

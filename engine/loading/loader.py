@@ -15,7 +15,9 @@ from engine.loading import int4
 from engine.loading.checkpoint_reader import CheckpointReader
 from engine.loading.fp8 import block_size
 from engine.model.config import ModelConfig, ModelFormatError
-from engine.model.qwen3_moe import LayerWeights, Qwen3MoeModel
+from engine.model.layer import LayerWeights
+from engine.model.options import ModelOptions
+from engine.model.qwen3_moe import Qwen3MoeModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,8 +38,10 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     experts: range | None = None,
+    options: ModelOptions | None = None,
 ) -> Qwen3MoeModel:
-    """`experts`: load only these experts of each MoE layer (expert parallelism, `engine.model.expert_parallel`)."""
+    """`experts`: load only these experts of each MoE layer (expert parallelism,
+    `engine.model.expert_parallel`). `options`: how the model computes (engine.model.options)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelFormatError(f"model folder {model_dir} does not exist")
@@ -101,7 +105,7 @@ def load_model(
     final_norm = get("model.norm.weight", h)
     # Tied: the output projection is the embedding matrix itself (HF ignores any saved lm_head).
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
-    return Qwen3MoeModel(config, embed, layers, final_norm, lm_head)
+    return Qwen3MoeModel(config, embed, layers, final_norm, lm_head, options)
 
 
 def fp8_block(config: ModelConfig) -> tuple[int, int] | None:

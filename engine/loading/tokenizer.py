@@ -21,9 +21,10 @@ UNSAMPLED_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>")
 class Tokenizer:
     def __init__(self, backend: _HFTokenizer, eos_ids: tuple[int, ...] = (), prompt_backend=None):
         # Two encoders. `encode` reads "<|endoftext|>" typed in a user's file as text, not as a
-        # control token: in completion prompts special tokens enter only by id (engine.prompts.fim), so
-        # file contents can't steer the model. `encode_prompt` keeps them, for raw prompts whose
-        # author writes the special tokens on purpose (CLI --prompt, OpenAI-style clients).
+        # control token: in completion prompts special tokens enter only by id
+        # (engine.prompts.fim), so file contents can't steer the model. `encode_prompt` keeps
+        # them, for raw prompts whose author writes the special tokens on purpose (CLI --prompt,
+        # OpenAI-style clients).
         self.prompt_backend = prompt_backend or backend
         backend.encode_special_tokens = True
         self.backend = backend

@@ -57,7 +57,8 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelFormatError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if key not in cfg:
@@ -72,8 +73,8 @@ class ModelConfig:
             # Block-scaled FP8 and group-scaled int4 weights are dequantized at load; other schemes
             # would need their own kernels.
             raise ModelFormatError(
-                f"unsupported quantization {quant.get('quant_method')!r}; block-scaled fp8 and int4 "
-                "(compressed-tensors pack-quantized) checkpoints load"
+                f"unsupported quantization {quant.get('quant_method')!r}; block-scaled fp8 and "
+                "int4 (compressed-tensors pack-quantized) checkpoints load"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelFormatError(

@@ -5,7 +5,9 @@ eager forward launches ~50 kernels per layer from Python. `DecodeStep` runs the 
 with ten per layer (fused add+RMSNorm, the qkv GEMM, fused q/k norm + RoPE + KV store, paged
 attention's two kernels, the o GEMM, add+RMSNorm, the router, warp decode's two kernels) over
 static input buffers, so one CUDA graph per bucket of rows can replay a whole step with no
-Python in between. The captured step and the eager one are the same code (`DecodeStep.__call__`).
+Python in between. The captured step and the eager one are the same code (`DecodeStep.__call__`):
+the CUDA backend's decoder layer, over the model's `LayerWeights` and with the general layer's
+`mlp` (engine.model.layer), whose MoE path the model's options choose.
 
 A row is one query token with its own block table and length. Rows are a batch of decode
 steps, or several new tokens of one sequence (each row ends at its own position, so the
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv.pool import KVPool
+from engine.model.layer import mlp
 from engine.model.qwen3_moe import Qwen3MoeModel
 from kernels import reference as ref
 from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
@@ -122,7 +125,7 @@ class DecodeStep:
             )
             delta = self.linear(attn.reshape(self.rows, -1), layer.w_o, layer.b_o)
             x, h = add_rms_norm(x, delta, layer.post_attention_norm, eps)
-            delta = model.mlp(h, layer)
+            delta = mlp(h, layer, cfg, model.options)
         _, h = add_rms_norm(x, delta, model.final_norm, eps)
         logits = F.linear(h, model.lm_head).float()
         if self.vocab_limit is not None:

@@ -1,8 +1,8 @@
 """How many of this process's cores other processes kept busy lately (Linux /proc/stat).
 
-engine.model.qwen3_moe asks before a long CPU forward whether its intra-op threads would each get a core:
-on a 2-core host with a neighbour busy on one core, two OpenMP threads make every split op wait
-for a thread that cannot run (BENCHMARKS.md). No background thread: each look compares the
+engine.model.cpu_threads asks before a long CPU forward whether its intra-op threads would each
+get a core: on a 2-core host with a neighbour busy on one core, two OpenMP threads make every split
+op wait for a thread that cannot run (BENCHMARKS.md). No background thread: each look compares the
 CPUs' busy time in /proc/stat and this process's own CPU time with those of the previous look.
 Where /proc/stat cannot be read (macOS, Windows, some containers) the answer is None: unknown.
 """
@@ -79,11 +79,11 @@ class HostLoad:
 
     def others_busy_cores(self) -> float | None:
         """Other processes' busy cores, averaged since the previous estimate (0.0 .. cores); None
-        while unknown (no /proc/stat). engine.model.qwen3_moe looks at every forward, so while completions
-        run the interval is about MIN_INTERVAL_S. The first look after an idle spell averages
-        over the whole spell and so may miss a neighbour that started just before; without a
-        background thread nothing fresher exists, a long-running neighbour dominates the average
-        anyway, and the next look (~50 ms on, in the same completion) sees it."""
+        while unknown (no /proc/stat). engine.model.cpu_threads looks at every forward, so while
+        completions run the interval is about MIN_INTERVAL_S. The first look after an idle spell
+        averages over the whole spell and so may miss a neighbour that started just before;
+        without a background thread nothing fresher exists, a long-running neighbour dominates
+        the average anyway, and the next look (~50 ms on, in the same completion) sees it."""
         now = self._clock()
         if self._last is not None and now - self._last[0] < MIN_INTERVAL_S:
             return self._estimate

@@ -1,15 +1,14 @@
-"""The weight matrices of the lean CPU decode path (engine.model.qwen3_moe's `_forward_lone` and
-`_forward_rows`), in one of two forms with one interface:
+"""The weight matrices of the lean CPU forward (engine.model.lean_cpu), in one of two forms with
+one interface, products of rows x [n, in]:
 
 - `Fp32Matrix`: the fp32 values, stored contiguous as [in, out] and used through the [out, in]
-  transposed view: MKL's matrix-vector product streams that layout about 1.3-1.8x faster than
-  the [out, in] contiguous one.
+  transposed view: MKL's matrix-vector product streams that layout faster than the [out, in]
+  contiguous one, and one row (a decode step) takes that product.
 - `Int8Matrix`: weight-only int8 with one scale per output row (as gpt-fast's int8 mode), multiplied
   by torch's `_weight_int8pack_mm` with the activations in bf16 and fp32 sums inside. A decode step
-  on a small CPU is bound by the bytes of weights it streams (the shipped model: ~52 MB a token in
-  fp32, at 8-10 GB/s on a 2-core host), and int8 moves a quarter of them: an expert's gate/up
-  product took 33 µs against 119 µs, cache-cold. The cost is rounding: a row's weights to 1/254 of
-  its largest, the activations and results to bf16 (relative 2^-9).
+  on a small CPU is bound by the bytes of weights it streams, and int8 moves a quarter of fp32's.
+  The cost is rounding: a row's weights to 1/254 of its largest, the activations and results to
+  bf16 (relative 2^-9).
 
 An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
 is one scalar. Both are derived from the weights when built; weights changed later are not seen
@@ -45,20 +44,19 @@ class Fp32Matrix:
     def nbytes(self) -> int:
         return self.t.numel() * self.t.element_size()
 
-    def mv(self, x: torch.Tensor) -> torch.Tensor:
-        """W x for x [in]: [out]."""
-        return torch.mv(self.t, x)
-
-    def addmv(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """add + alpha W x, the add inside the product."""
-        return torch.addmv(add, self.t, x, alpha=alpha)
-
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T for rows x [n, in]: [n, out]."""
+        """x W^T for one row x [in] (a matrix-vector product) or rows x [n, in]: [..., out]."""
+        if x.dim() == 1:
+            return torch.mv(self.t, x)
         return torch.mm(x, self.t.t())
 
-    def addmm(self, add: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(add, x, self.t.t())
+    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha x W^T, the add inside the product; add [out] or [n, out]."""
+        if x.dim() == 1:
+            return torch.addmv(add, self.t, x, alpha=alpha)
+        if alpha == 1.0:  # a product without alpha dispatches faster
+            return torch.addmm(add, x, self.t.t())
+        return torch.addmm(add, x, self.t.t(), alpha=alpha)
 
 
 class Int8Matrix:
@@ -81,18 +79,18 @@ class Int8Matrix:
     # Results are bf16 (the kernel's): where one feeds another product it needs no conversion,
     # and an add into fp32 promotes it inside the add. x in bf16 saves a conversion.
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(
-            x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.q, self.scale
+        """x W^T for one row x [in] or rows x [n, in]: [..., out]."""
+        rows = x if x.dim() == 2 else x[None]  # the kernel takes rows
+        y = torch._weight_int8pack_mm(
+            rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16), self.q, self.scale
         )
+        return y if x.dim() == 2 else y[0]
 
-    def mv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mm(x[None])[0]
-
-    def addmv(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        return torch.add(add, self.mv(x), alpha=alpha)
-
-    def addmm(self, add: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.add(add, self.mm(x))
+    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha x W^T (fp32 where add is)."""
+        if alpha == 1.0:  # an add without alpha dispatches faster
+            return torch.add(add, self.mm(x))
+        return torch.add(add, self.mm(x), alpha=alpha)
 
 
 def matrix(

@@ -11,7 +11,9 @@ import math
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.qwen3_moe import LayerWeights, Qwen3MoeModel
+from engine.model.layer import LayerWeights
+from engine.model.options import ModelOptions
+from engine.model.qwen3_moe import Qwen3MoeModel
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
@@ -73,7 +75,13 @@ def shape_config(name: str, vocab_size: int | None = None) -> dict:
     return dict(SHAPES[name], **({"vocab_size": vocab_size} if vocab_size else {}))
 
 
-def random_model(config: dict, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> Qwen3MoeModel:
+def random_model(
+    config: dict,
+    dtype=torch.bfloat16,
+    device="cpu",
+    seed: int = 0,
+    options: ModelOptions | None = None,
+) -> Qwen3MoeModel:
     cfg = ModelConfig.from_dict(config)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -117,4 +125,4 @@ def random_model(config: dict, dtype=torch.bfloat16, device="cpu", seed: int = 0
         )
     embed = w(cfg.vocab_size, h, fan_in=1)
     lm_head = embed if cfg.tie_word_embeddings else w(cfg.vocab_size, h, fan_in=h)
-    return Qwen3MoeModel(cfg, embed, layers, norm(h), lm_head)
+    return Qwen3MoeModel(cfg, embed, layers, norm(h), lm_head, options)

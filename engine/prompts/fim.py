@@ -1,4 +1,5 @@
-"""Fill-in-the-middle prompt layout, from the model's own FIM special tokens.
+"""Fill-in-the-middle prompt layout, from the model's own FIM special tokens: their names, defined
+here once (the trainer's tokenizer takes them from here too), and the two orders.
 
 Two orders:
 - PSM: <|fim_prefix|>prefix<|fim_suffix|>suffix<|fim_middle|>   (Qwen2.5/3-Coder's format)
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from engine.decoding.token_healing import token_healer
 
+ENDOFTEXT = "<|endoftext|>"
 FIM_PREFIX = "<|fim_prefix|>"
 FIM_SUFFIX = "<|fim_suffix|>"
 FIM_MIDDLE = "<|fim_middle|>"
@@ -33,6 +35,18 @@ def fim_token_ids(tokenizer) -> tuple[int, int, int]:
     return ids[0], ids[1], ids[2]
 
 
+def fim_layout(
+    ids: tuple[int, int, int], prefix_ids: list[int], suffix_ids: list[int], order: str = "psm"
+) -> list[int]:
+    """The FIM body in `order` from the (prefix, suffix, middle) marker ids and the pieces' ids."""
+    pre, suf, mid = ids
+    if order == "psm":
+        return [pre, *prefix_ids, suf, *suffix_ids, mid]
+    if order == "spm":
+        return [suf, *suffix_ids, pre, *prefix_ids, mid]
+    raise ValueError(f"unknown FIM order {order!r}; expected one of {ORDERS}")
+
+
 def build_fim_prompt(
     tokenizer, prefix: str, suffix: str, order: str = "psm", heal: bool = False
 ) -> list[int]:
@@ -42,12 +56,9 @@ def build_fim_prompt(
     engine.decoding.token_healing): generate with `forced_text=healed_text(tokenizer, prefix)`."""
     if order not in ORDERS:
         raise ValueError(f"unknown FIM order {order!r}; expected one of {ORDERS}")
-    pre, suf, mid = fim_token_ids(tokenizer)
+    ids = fim_token_ids(tokenizer)
     prefix_ids = token_healer(tokenizer).split(prefix)[0] if heal else tokenizer.encode(prefix)
-    suffix_ids = tokenizer.encode(suffix)
-    if order == "psm":
-        return [pre, *prefix_ids, suf, *suffix_ids, mid]
-    return [suf, *suffix_ids, pre, *prefix_ids, mid]
+    return fim_layout(ids, prefix_ids, tokenizer.encode(suffix), order)
 
 
 def healed_text(tokenizer, prefix: str) -> str:

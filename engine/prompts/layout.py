@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.decoding.token_healing import MAX_BACKOFF, token_healer
-from engine.prompts.fim import FILE_SEP, fim_token_ids
+from engine.prompts.fim import FILE_SEP, ORDERS, fim_layout, fim_token_ids
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def supported_fim_orders(model_dir: str | Path) -> tuple[str, ...]:
     if path.is_file():
         orders = json.loads(path.read_text()).get("fim_orders")
         if orders:
-            return tuple(o for o in orders if o in ("psm", "spm")) or ("psm",)
+            return tuple(o for o in orders if o in ORDERS) or ("psm",)
     return ("psm",)
 
 
@@ -60,15 +60,16 @@ PREFIX_CUT_LINES = 16
 
 # Texts are measured before they are tokenized: a token covers at most the vocabulary's longest
 # token's bytes, so bytes / that is a lower bound on the token count, and a text that cannot fit
-# its room is never tokenized (8 MB of text tokenize in seconds, into a GB of memory). An NFC or
-# NFD normalizer may shrink text first (NFC composes three 3-byte Hangul jamo into one syllable),
-# so a tokenizer with one is allowed three times as much.
+# its room is never tokenized (tokenizing costs time and memory in proportion to the text's
+# size, however large a client sends it). An NFC or NFD normalizer may shrink text first (NFC
+# composes three 3-byte Hangul jamo into one syllable), so a tokenizer with one is allowed three
+# times as much.
 NORMALIZER_SHRINK = 3
 # A tokenizer that can shrink text without a known bound (`max_token_bytes` None: an added token
 # that takes in whitespace, a normalizer such as NFKC or Strip) cannot refuse a text by its size:
 # a text is tokenized whole up to this many bytes instead (a plain prompt longer is refused, a
-# prefix or suffix cut to it), which bounds the memory (tokenizing takes some 600 bytes a token)
-# and is far more than a prompt of a 32K context averages (some 4 bytes a token of code).
+# prefix or suffix cut to it), which bounds the memory tokenizing takes and is far more than a
+# prompt of a 32K context holds of code.
 UNBOUNDED_TEXT_BYTES = 512 << 10
 # A long plain prompt is tokenized in pieces of about this many characters, cut at line starts.
 PIECE_CHARS = 1 << 16
@@ -349,6 +350,10 @@ def _fit_prefix(tokenizer, prefix: str, room: int, heal: bool) -> tuple[list[int
     return best
 
 
+# A completion prompt's cap (the daemon's default), below the model's context when that is larger.
+MAX_PROMPT_TOKENS = 4096
+
+
 def prompt_budget(context: int, max_tokens: int, max_prompt_tokens: int) -> int:
     """Tokens a completion prompt may take: what the model's context (`max_position_embeddings`,
     the longest row it was trained on) leaves after the reply, within the daemon's own cap."""
@@ -393,11 +398,11 @@ def build_completion_prompt(
 ) -> list[int]:
     """With `heal` the end of the prefix is left out (the cursor line's indentation, else its
     last token), to be written again under the constraint `forced_text=` the text
-    `layout_completion_prompt` gives with the same ids (engine.decoding.token_healing). That text is
-    `engine.prompts.fim.healed_text(tokenizer, prefix)` wherever the prompt keeps the prefix from a line
-    start (all of it, or its last lines); where not even the cursor line fits, it is the healed
-    text of the end that was tokenized, and where the budget leaves the prefix no room at all it
-    is "" (nothing of the prefix is in the prompt, so nothing is written again)."""
+    `layout_completion_prompt` gives with the same ids (engine.decoding.token_healing). That text
+    is `engine.prompts.fim.healed_text(tokenizer, prefix)` wherever the prompt keeps the prefix
+    from a line start (all of it, or its last lines); where not even the cursor line fits, it is
+    the healed text of the end that was tokenized, and where the budget leaves the prefix no room
+    at all it is "" (nothing of the prefix is in the prompt, so nothing is written again)."""
     return layout_completion_prompt(
         tokenizer,
         prefix,
@@ -426,9 +431,9 @@ def layout_completion_prompt(
 ) -> tuple[list[int], str]:
     """The completion prompt's ids, and with `heal` the text the first new tokens must write
     (the request's forced_text); its cost is bounded by the budget, not by the texts' sizes."""
-    if order not in ("spm", "psm"):
+    if order not in ORDERS:
         raise ValueError(f"unknown FIM order {order!r}")
-    pre, suf, mid = fim_token_ids(tokenizer)
+    markers = fim_token_ids(tokenizer)
     if not repo_context:
         chunks, path = (), None
     per_token = max_token_bytes(tokenizer)
@@ -453,8 +458,4 @@ def layout_completion_prompt(
             if len(context) + len(ids) > room:
                 break
             context += ids
-    if order == "spm":
-        body = [suf, *suffix_ids, pre, *prefix_ids, mid]
-    else:
-        body = [pre, *prefix_ids, suf, *suffix_ids, mid]
-    return context + header + body, forced
+    return context + header + fim_layout(markers, prefix_ids, suffix_ids, order), forced

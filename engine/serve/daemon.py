@@ -11,38 +11,35 @@ the engine shares itself fairly across connections (engine.core.scheduler); fram
 without waiting for the peer, and a peer that leaves more than `max_output_backlog` bytes unread
 has its streams cancelled (SLOW_READER) and its next request read only once it catches up;
 prompts are measured before they are tokenized and built a few at a time, one per connection
-(engine.prompts.layout).
+(engine.serve.service, which the OpenAI-compatible endpoint shares).
+
+Every error frame carries an `ErrorCode`: the engine's refusals (engine.core.request) and error
+events their own, malformed input BAD_REQUEST, anything else ENGINE_ERROR; never one read from a
+message.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
 import logging
 import os
 import secrets
 import signal
-import socket
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.core.scheduler import Engine, Request
-from engine.decoding.token_healing import token_healer
+from engine.core.request import RequestRefused
 from engine.ipc import protocol as P
-from engine.prompts.layout import (
-    UNBOUNDED_TEXT_BYTES,
-    ContextChunk,
-    layout_completion_prompt,
-    max_token_bytes,
-    plain_prompt_ids,
-    prompt_budget,
-    supported_fim_orders,
-    uses_repo_context,
-    utf8_len,
-)
+from engine.ipc.protocol import ErrorCode
+from engine.ipc.socket_path import LISTEN_BACKLOG, bind_socket, remove_own_socket
+from engine.serve.service import MAX_PROMPT_TOKENS, PROMPT_BUILDERS, CompletionService
+
+if TYPE_CHECKING:
+    from engine.core.engine import Engine
+    from engine.serve.openai_http import HttpOptions
 
 log = logging.getLogger("wd_engine")
 
@@ -52,16 +49,6 @@ PENDING, CANCELLED = "<pending>", "<cancelled>"
 # What a connection's reader holds, at most, before it stops reading from the socket (twice this,
 # as asyncio counts): a peer cannot make the engine buffer more than the frame it is reading.
 READ_BUFFER_BYTES = 64 << 10
-LISTEN_BACKLOG = 128
-
-# A completion prompt keeps at least this share of the model's context (or the daemon's prompt
-# cap, if smaller): a max_tokens that would leave less is refused, not met by cutting the user's
-# code down to a few tokens.
-MIN_PROMPT_SHARE = 4
-
-
-class UnsafeSocketPath(RuntimeError):
-    """Something other than a stale socket of ours is at the socket's path."""
 
 
 @dataclass
@@ -72,16 +59,13 @@ class ServeOptions:
     token: str | None = None
     idle_timeout_s: float = 900.0
     drain_timeout_s: float = 10.0
-    max_prompt_tokens: int = 4096
-    http: object | None = (
-        None  # engine.serve.openai_http.HttpOptions: the OpenAI-compatible listener
-    )
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    http: HttpOptions | None = None  # the OpenAI-compatible listener, when asked for
     hello_timeout_s: float = 5.0  # a connection that has not greeted by then is closed
     max_requests_per_connection: int = 16  # completions and warm-ups open at once on one connection
-    max_output_backlog: int = (
-        256 << 10
-    )  # bytes a peer may leave unread before its streams are cancelled
-    prompt_builders: int = 2  # prompts tokenized at once (each connection's one at a time)
+    # Bytes a peer may leave unread before its streams are cancelled.
+    max_output_backlog: int = 256 << 10
+    prompt_builders: int = PROMPT_BUILDERS  # prompts tokenized at once (one per connection)
 
 
 class _Connection:
@@ -96,9 +80,8 @@ class _Connection:
         self.backlog_limit = backlog_limit
         writer.transport.set_write_buffer_limits(high=backlog_limit)  # where drain() starts to wait
         self.build_lock = asyncio.Lock()  # its prompts are built one at a time
-        self.requests: dict[
-            object, str
-        ] = {}  # client request id -> engine request id (or a marker)
+        # Client request id -> engine request id (or a marker).
+        self.requests: dict[object, str] = {}
         self.tasks: set[asyncio.Task] = set()
 
     @property
@@ -120,20 +103,12 @@ class _Connection:
 
 class EngineServer:
     def __init__(self, engine: Engine, model_dir: Path, options: ServeOptions):
-        self.engine = engine
-        self.model_dir = Path(model_dir)
+        self.service = CompletionService(
+            engine, model_dir, options.max_prompt_tokens, options.prompt_builders
+        )
+        self.service.warm_up()
         self.options = options
-        self.fim_orders = supported_fim_orders(model_dir)
-        self.repo_context = uses_repo_context(model_dir)
-        token_healer(self.engine.tokenizer)  # its vocabulary scan now, not in the first completion
-        max_token_bytes(
-            self.engine.tokenizer
-        )  # and the prompt-length bound's (engine.prompts.layout)
         self.connections: set[_Connection] = set()
-        self._builders = asyncio.Semaphore(options.prompt_builders)
-        self.started = time.monotonic()
-        self.last_client_seen = time.monotonic()
-        self.draining = False
         self.stopped = asyncio.Event()
         self.servers: list[asyncio.base_events.Server] = []
         self.counters = dict(
@@ -151,7 +126,7 @@ class EngineServer:
         path = self.options.socket_path
         # Before the engine starts: a refused path stops nothing running.
         listener, self._socket_identity = bind_socket(path)
-        self.engine_thread = self.engine.start_thread()
+        self.service.start()
         unix = await asyncio.start_unix_server(
             self._on_unix, sock=listener, limit=READ_BUFFER_BYTES, backlog=LISTEN_BACKLOG
         )
@@ -169,11 +144,10 @@ class EngineServer:
             self.tcp_port = tcp.sockets[0].getsockname()[1]
             log.info("listening on tcp %s:%d (token required)", host, self.tcp_port)
         if self.options.http is not None:
-            from engine.serve.openai_http import (
-                OpenAIFrontend,
-            )  # starlette/uvicorn only when asked for
+            # starlette and uvicorn are imported only when the listener is asked for
+            from engine.serve.openai_http import OpenAIFrontend
 
-            self.http = OpenAIFrontend(self, self.options.http)
+            self.http = OpenAIFrontend(self.service, self.options.http)
             await self.http.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,7 +155,7 @@ class EngineServer:
                 sig, lambda: asyncio.ensure_future(self.drain_and_stop("signal"))
             )
         log.info("engine ready on %s (pid %d)", path, os.getpid())
-        self.last_client_seen = time.monotonic()  # the idle time counts from now, not from loading
+        self.service.touch()  # the idle time counts from now, not from loading
         watchdog = asyncio.ensure_future(self._idle_watchdog())
         try:
             await self.stopped.wait()
@@ -191,15 +165,15 @@ class EngineServer:
                 server.close()
             if self.http is not None:
                 await self.http.stop()
-            self.engine.stop()
+            self.service.stop()
             remove_own_socket(path, self._socket_identity)
             log.info("engine stopped")
 
     async def drain_and_stop(self, why: str) -> None:
         """Refuse new work, let running requests finish (bounded), then stop."""
-        if self.draining:
+        if self.service.draining:
             return
-        self.draining = True
+        self.service.draining = True
         log.info("draining (%s)", why)
         for server in self.servers:
             server.close()
@@ -216,17 +190,17 @@ class EngineServer:
     async def _idle_watchdog(self) -> None:
         while True:
             await asyncio.sleep(min(5.0, max(0.1, self.options.idle_timeout_s / 4)))
-            if not self.engine.alive:  # should never happen; if it does, exit so clients respawn us
+            # Should never happen; if it does, exit so that the next client starts a fresh one.
+            if not self.service.alive:
                 log.error(
                     "the engine loop died; stopping so that the next client starts a fresh engine"
                 )
                 await self.drain_and_stop("engine loop died")
                 return
-            if (
-                self.clients
-            ):  # connections that never greeted are no clients: they keep nothing alive
-                self.last_client_seen = time.monotonic()
-            elif time.monotonic() - self.last_client_seen > self.options.idle_timeout_s:
+            # Connections that never greeted are no clients: they keep nothing alive.
+            if self.clients:
+                self.service.touch()
+            elif time.monotonic() - self.service.last_activity > self.options.idle_timeout_s:
                 await self.drain_and_stop(f"no clients for {self.options.idle_timeout_s:.0f} s")
                 return
 
@@ -255,13 +229,15 @@ class EngineServer:
                     message = await self._next_message(conn)
                 except P.FrameError as exc:
                     self.counters["bad_frames"] += 1
-                    conn.send(P.error_message(None, P.BAD_FRAME, str(exc)))
+                    conn.send(P.error_message(None, ErrorCode.BAD_FRAME, str(exc)))
                     break
                 except TimeoutError:
                     self.counters["hello_timeouts"] += 1
                     wait = self.options.hello_timeout_s
                     log.info("connection %d closed: no hello within %.1f s", conn.number, wait)
-                    conn.send(P.error_message(None, P.BAD_REQUEST, f"no hello within {wait:g} s"))
+                    conn.send(
+                        P.error_message(None, ErrorCode.BAD_REQUEST, f"no hello within {wait:g} s")
+                    )
                     break
                 if message is None:
                     break
@@ -274,12 +250,12 @@ class EngineServer:
         finally:
             for engine_id in list(conn.requests.values()):
                 if engine_id not in (PENDING, CANCELLED):
-                    self.engine.cancel(engine_id, "disconnected")
+                    self.service.cancel(engine_id, "disconnected")
             for task in conn.tasks:
                 task.cancel()
             self.connections.discard(conn)
             if conn.greeted:
-                self.last_client_seen = time.monotonic()
+                self.service.touch()
             conn.writer.close()
 
     async def _next_message(self, conn: _Connection) -> dict | None:
@@ -294,36 +270,28 @@ class EngineServer:
         """Handle one request; False closes the connection."""
         rid, method, params = message.get("id"), message.get("method"), message.get("params", {})
         if not isinstance(rid, (int, str)) or isinstance(rid, bool):
-            conn.send(P.error_message(None, P.BAD_REQUEST, "'id' must be an integer or a string"))
+            conn.send(
+                P.error_message(None, ErrorCode.BAD_REQUEST, "'id' must be an integer or a string")
+            )
             return True
         if not conn.greeted:
             return self._hello(conn, rid, method, params)
         if method not in P.METHODS:
-            conn.send(P.error_message(rid, P.UNKNOWN_METHOD, f"unknown method {method!r}"))
+            conn.send(P.error_message(rid, ErrorCode.UNKNOWN_METHOD, f"unknown method {method!r}"))
             return True
         if not isinstance(params, dict):
-            conn.send(P.error_message(rid, P.BAD_REQUEST, "'params' must be a map"))
+            conn.send(P.error_message(rid, ErrorCode.BAD_REQUEST, "'params' must be a map"))
             return True
         if method in ("complete", "warm"):
             self._start_completion(conn, rid, params, warm=method == "warm")
         elif method == "cancel":
             self._cancel(conn, rid, params)
         elif method == "stats":
-            conn.send(
-                {
-                    "id": rid,
-                    "result": dict(
-                        self.engine.stats(),
-                        **self.counters,
-                        clients=self.clients,
-                        http_inflight=self.http.inflight if self.http else 0,
-                    ),
-                }
-            )
+            conn.send({"id": rid, "result": self._stats()})
         elif method == "health":
             conn.send({"id": rid, "result": self._health()})
         elif method == "model_info":
-            conn.send({"id": rid, "result": self._model_info()})
+            conn.send({"id": rid, "result": self.service.model_info()})
         elif method == "shutdown":
             conn.send({"id": rid, "result": {"stopping": True}})
             asyncio.ensure_future(self.drain_and_stop("shutdown requested"))
@@ -332,27 +300,21 @@ class EngineServer:
         return True
 
     def _start_completion(self, conn: _Connection, rid, params: dict, warm: bool) -> None:
-        if self.draining:
-            conn.send(P.error_message(rid, P.SHUTTING_DOWN, "the engine is shutting down"))
+        if self.service.draining:
+            conn.send(P.error_message(rid, ErrorCode.SHUTTING_DOWN, "the engine is shutting down"))
             return
         if rid in conn.requests:
-            conn.send(
-                P.error_message(
-                    rid, P.BAD_REQUEST, f"request id {rid!r} is in use on this connection"
-                )
-            )
+            message = f"request id {rid!r} is in use on this connection"
+            conn.send(P.error_message(rid, ErrorCode.BAD_REQUEST, message))
             return
         cap = self.options.max_requests_per_connection
         if len(conn.requests) >= cap:
             self.counters["too_many_requests"] += 1
-            conn.send(
-                P.error_message(
-                    rid,
-                    P.TOO_MANY_REQUESTS,
-                    f"this connection already has {cap} requests "
-                    "open, the most it may; wait for one to end or cancel one",
-                )
+            message = (
+                f"this connection already has {cap} requests open, the most it may; wait for one "
+                "to end or cancel one"
             )
+            conn.send(P.error_message(rid, ErrorCode.TOO_MANY_REQUESTS, message))
             return
         # Registered now, not when the task first runs: a cancel read from the same write as the
         # request must find it.
@@ -364,31 +326,26 @@ class EngineServer:
     def _cancel(self, conn: _Connection, rid, params: dict) -> None:
         target_id = params.get("id")
         if not isinstance(target_id, (int, str)) or isinstance(target_id, bool):
-            conn.send(
-                P.error_message(rid, P.BAD_REQUEST, "'id' to cancel must be an integer or a string")
-            )
+            message = "'id' to cancel must be an integer or a string"
+            conn.send(P.error_message(rid, ErrorCode.BAD_REQUEST, message))
             return
         target = conn.requests.get(target_id)
-        if target == PENDING:
-            conn.requests[target_id] = (
-                CANCELLED  # its prompt is not built yet: it is never submitted
-            )
+        if target == PENDING:  # its prompt is not built yet: it is never submitted
+            conn.requests[target_id] = CANCELLED
         elif target not in (None, CANCELLED):
-            self.engine.cancel(target)
+            self.service.cancel(target)
         conn.send({"id": rid, "result": {"cancelled": target is not None}})
 
     def _hello(self, conn: _Connection, rid, method, params) -> bool:
         if method != "hello" or not isinstance(params, dict):
-            conn.send(P.error_message(rid, P.BAD_REQUEST, "the first request must be 'hello'"))
+            message = "the first request must be 'hello'"
+            conn.send(P.error_message(rid, ErrorCode.BAD_REQUEST, message))
             return False
         if params.get("version") != P.PROTOCOL_VERSION:
-            conn.send(
-                P.error_message(
-                    rid,
-                    P.VERSION_MISMATCH,
-                    f"engine speaks protocol {P.PROTOCOL_VERSION}, client {params.get('version')!r}",
-                )
+            message = (
+                f"engine speaks protocol {P.PROTOCOL_VERSION}, client {params.get('version')!r}"
             )
+            conn.send(P.error_message(rid, ErrorCode.VERSION_MISMATCH, message))
             return False
         if conn.needs_token:
             token = params.get("token")
@@ -396,152 +353,52 @@ class EngineServer:
             given = token.encode() if isinstance(token, str) else b""
             if not expected or not hmac.compare_digest(given, expected):
                 log.warning("tcp client refused: bad token")
-                conn.send(P.error_message(rid, P.UNAUTHORIZED, "a valid token is required"))
+                message = "a valid token is required"
+                conn.send(P.error_message(rid, ErrorCode.UNAUTHORIZED, message))
                 return False
         conn.greeted = True
-        conn.send({"id": rid, "result": dict(self._health(), model=self._model_info())})
+        conn.send({"id": rid, "result": dict(self._health(), model=self.service.model_info())})
         return True
 
     # -- requests -------------------------------------------------------------------------------
-    async def build_prompt(self, p: P.CompletionParams) -> tuple[list[int], str]:
-        """`_build_prompt` off the event loop, at most `prompt_builders` at a time, so that a few
-        clients' large prompts leave cores for the engine and a turn for everyone else. A build's
-        slot is given back when the build ends, not when the task awaiting it does: a task
-        cancelled mid-build (its peer left) must not let another build start beside it."""
-        await self._builders.acquire()
-        try:
-            build = asyncio.get_running_loop().run_in_executor(None, self._build_prompt, p)
-        except BaseException:
-            self._builders.release()
-            raise
-        build.add_done_callback(lambda _: self._builders.release())
-        return await asyncio.shield(build)
-
-    def _build_prompt(self, p: P.CompletionParams) -> tuple[list[int], str]:
-        """The prompt's ids, and the text its first tokens must write (token healing). Bounded in
-        time and memory by the model's context, not by the texts' sizes. Raises P.RequestError
-        (CONTEXT_EXCEEDED) for a prompt that cannot fit, found by its size before tokenizing where
-        that tells, and ValueError for other bad input."""
-        tokenizer = self.engine.tokenizer
-        context = self.engine.model.config.max_position_embeddings
-        if p.prompt is not None:
-            ids = plain_prompt_ids(tokenizer, p.prompt, context - 1)  # one position for the reply
-            capped = (
-                max_token_bytes(tokenizer) is None and utf8_len(p.prompt) > UNBOUNDED_TEXT_BYTES
-            )
-            if ids is None and capped:
-                raise P.RequestError(
-                    P.CONTEXT_EXCEEDED,
-                    (
-                        f"the prompt is over {UNBOUNDED_TEXT_BYTES} bytes, the most this engine tokenizes with "
-                        "this model's tokenizer (whose token count a text's size does not bound)"
-                    ),
-                )
-            if ids is None:
-                raise P.RequestError(
-                    P.CONTEXT_EXCEEDED,
-                    (
-                        f"the prompt has more than {context - 1} tokens; this model's maximum context length is "
-                        f"{context} tokens, one of them for the reply"
-                    ),
-                )
-            return ids, ""
-        budget = self._fim_budget(p.max_tokens)
-        order = (
-            p.fim_order if p.fim_order != "auto" else ("spm" if "spm" in self.fim_orders else "psm")
-        )
-        chunks = [ContextChunk(c["path"], c["text"]) for c in p.chunks]
-        return layout_completion_prompt(
-            tokenizer,
-            p.prefix,
-            p.suffix,
-            chunks,
-            p.path,
-            order,
-            max_prompt_tokens=budget,
-            repo_context=self.repo_context,
-            heal=True,
-        )
-
-    def _least_prompt_tokens(self) -> int:
-        context = self.engine.model.config.max_position_embeddings
-        return min(self.options.max_prompt_tokens, context // MIN_PROMPT_SHARE)
-
-    def _fim_budget(self, max_tokens: int) -> int:
-        """Tokens a completion prompt may take; a max_tokens that leaves less than the least
-        prompt is refused: cutting the code around the cursor to a few tokens helps nobody."""
-        context = self.engine.model.config.max_position_embeddings
-        budget = prompt_budget(context, max_tokens, self.options.max_prompt_tokens)
-        least = self._least_prompt_tokens()
-        if budget < least:
-            raise P.RequestError(
-                P.CONTEXT_EXCEEDED,
-                (
-                    f"max_tokens={max_tokens} leaves too little of this model's {context}-token context for "
-                    f"the code around the cursor: a completion may ask for at most {context - least - 1}, so "
-                    f"that a {least}-token prompt fits"
-                ),
-            )
-        return budget
-
     async def _complete(self, conn: _Connection, rid, params: dict, warm: bool) -> None:
         try:
-            built = await self._prepare(conn, rid, params)
-            if built is None:
+            prepared = await self._prepare(conn, rid, params)
+            if prepared is None:
                 return
-            await self._run(conn, rid, built, warm)
+            await self._run(conn, rid, *prepared, warm)
         finally:
             conn.requests.pop(rid, None)
 
     async def _prepare(self, conn: _Connection, rid, params: dict):
-        """Validated parameters and the built prompt, or None once the request is answered (an
+        """Validated parameters and the checked prompt, or None once the request is answered (an
         error, or cancelled before its prompt was built: never submitted, nothing computed)."""
         try:
             p = P.CompletionParams.from_params(params)
             async with conn.build_lock:  # one prompt at a time per connection: a turn for others
-                built = None if conn.requests.get(rid) == CANCELLED else await self.build_prompt(p)
+                cancelled = conn.requests.get(rid) == CANCELLED
+                prompt = None if cancelled else await self.service.prepare(p)
         except Exception as exc:  # noqa: BLE001 - answered, the connection lives on
-            conn.send(P.error_message(rid, *self._error_code(exc)))
+            conn.send(P.error_message(rid, *refusal(exc)))
             return None
-        if built is None or conn.requests.get(rid) == CANCELLED:
+        if prompt is None or conn.requests.get(rid) == CANCELLED:
             conn.send({"id": rid, "result": {"finish_reason": "cancelled", "usage": None}})
             return None
-        return p, built
+        return p, prompt
 
-    @staticmethod
-    def _error_code(exc: Exception) -> tuple[str, str]:
-        if isinstance(exc, P.RequestError):
-            return exc.code, str(exc)
-        if isinstance(exc, (ValueError, TypeError)):  # the client's input
-            return P.BAD_REQUEST, str(exc)
-        log.exception("building a prompt failed", exc_info=exc)
-        return P.ENGINE_ERROR, f"engine error: {type(exc).__name__}: {exc}"
-
-    async def _run(self, conn: _Connection, rid, built, warm: bool) -> None:
-        """Submit the request and forward its events; the engine thread only ever queues them."""
-        p, (prompt_ids, forced_text) = built
-        loop = asyncio.get_running_loop()
-        # Unbounded, yet it stays short: it is drained as fast as the loop runs, since a frame is
-        # queued for the peer without waiting for it.
-        events: asyncio.Queue = asyncio.Queue()
-        request = Request(
-            prompt_ids,
-            max_tokens=p.max_tokens,
-            temperature=float(p.temperature),
-            top_p=float(p.top_p),
-            seed=p.seed,
-            stop=p.stop,
-            warm_only=warm,
-            forced_text=forced_text,
-            beams=p.beams,
+    async def _run(self, conn: _Connection, rid, p: P.CompletionParams, prompt, warm: bool) -> None:
+        """Submit the request and forward its events as frames."""
+        request = self.service.make_request(
+            p,
+            prompt,
+            request_id=f"{conn.number}:{rid}:{secrets.token_hex(4)}",
+            owner=f"connection:{conn.number}",
             # Supersession stays within the connection: another client's key must not cancel ours.
             client=None if p.client is None else f"{conn.number}:{p.client}",
-            owner=f"connection:{conn.number}",
-            deadline_s=None if p.deadline_ms is None else p.deadline_ms / 1000.0,
-            id=f"{conn.number}:{rid}:{secrets.token_hex(4)}",
+            warm=warm,
         )
         conn.requests[rid] = request.id
-        self.engine.submit(request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        events = self.service.submit(request)
         try:
             while True:
                 event = await events.get()
@@ -556,16 +413,16 @@ class EngineServer:
                     return
                 else:
                     self.counters["errors"] += 1
-                    code = event.code or P.ENGINE_ERROR
+                    code = event.code or ErrorCode.ENGINE_ERROR
                     conn.send(P.error_message(rid, code, event.error or "engine error"))
                     return
         except asyncio.CancelledError:
-            self.engine.cancel(request.id, "disconnected")
+            self.service.cancel(request.id, "disconnected")
             raise
 
     def _drop_slow_stream(self, conn: _Connection, rid, request_id: str) -> None:
-        """The peer leaves its output unread: stop computing for it rather than buffer without end."""
-        self.engine.cancel(request_id, "slow reader")
+        """The peer leaves its output unread: stop computing for it, not buffer without end."""
+        self.service.cancel(request_id, "slow reader")
         self.counters["slow_readers"] += 1
         log.warning(
             "connection %d left %d bytes unread: request %r cancelled",
@@ -573,117 +430,31 @@ class EngineServer:
             conn.backlog,
             rid,
         )
-        conn.send(
-            P.error_message(
-                rid,
-                P.SLOW_READER,
-                f"more than {conn.backlog_limit} bytes of output were "
-                "left unread; the completion was cancelled",
-            )
+        message = (
+            f"more than {conn.backlog_limit} bytes of output were left unread; the completion "
+            "was cancelled"
+        )
+        conn.send(P.error_message(rid, ErrorCode.SLOW_READER, message))
+
+    def _stats(self) -> dict:
+        return dict(
+            self.service.stats(),
+            **self.counters,
+            clients=self.clients,
+            http_inflight=self.http.inflight if self.http else 0,
         )
 
     def _health(self) -> dict:
-        return dict(
-            ok=not self.draining and self.engine.alive,
-            pid=os.getpid(),
-            version=P.PROTOCOL_VERSION,
-            uptime_s=round(time.monotonic() - self.started, 3),
-            clients=self.clients,
-        )
-
-    def _model_info(self) -> dict:
-        cfg, model = self.engine.model.config, self.engine.model
-        return dict(
-            name=self.model_dir.name,
-            architecture=cfg.architecture,
-            layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            experts=cfg.num_experts,
-            experts_per_token=cfg.num_experts_per_tok,
-            vocab_size=cfg.vocab_size,
-            max_context=cfg.max_position_embeddings,
-            fim_orders=list(self.fim_orders),
-            # The largest max_tokens a FIM completion may ask for (see _fim_budget).
-            max_completion_tokens=cfg.max_position_embeddings - self._least_prompt_tokens() - 1,
-            dtype=str(model.dtype).removeprefix("torch."),
-            device=str(model.device),
-            kv_block_size=self.engine.block_size,
-        )
+        return dict(self.service.health(), version=P.PROTOCOL_VERSION, clients=self.clients)
 
 
-def remove_own_socket(path: Path, identity: tuple[int, int]) -> None:
-    """Unlink the socket only if it is still the one this daemon bound: while it drained, a
-    successor may have replaced the path, and deleting that one would strand the new engine."""
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        return
-    if (info.st_dev, info.st_ino) == identity:
-        path.unlink(missing_ok=True)
-
-
-def bind_socket(path: Path) -> tuple[socket.socket, tuple[int, int]]:
-    """A Unix socket listening at `path`, after `prepare_socket_path`, and the (st_dev, st_ino)
-    of its file, for `remove_own_socket`. It is 0600 from its first moment (the umask; no chmod,
-    which would follow a link planted in its place). bind() never replaces anything that is
-    there, and listen() follows at once: until then another engine starting would take the
-    socket for a crashed one's leftover and replace it, and the identity, taken now, would be
-    that engine's socket."""
-    prepare_socket_path(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)  # the socket is created 0600: no window where others can connect
-    try:
-        sock.bind(str(path))
-        sock.listen(LISTEN_BACKLOG)
-        info = path.lstat()
-    except OSError as exc:
-        sock.close()
-        raise UnsafeSocketPath(f"cannot listen on {path}: {exc.strerror or exc}") from exc
-    finally:
-        os.umask(old_umask)
-    return sock, (info.st_dev, info.st_ino)
-
-
-def prepare_socket_path(path: Path) -> None:
-    """Refuse to start beside a live engine, or over anything but a socket of ours; remove a stale
-    socket left by a crash. Never follows a symbolic link, never unlinks what is not a socket.
-    (The default path's directory is checked by paths.runtime_dir, which gives it.)"""
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise UnsafeSocketPath(
-            f"{path} exists and is {_kind(info.st_mode)}, not a socket; refusing to "
-            "replace it: remove it or choose another --socket"
-        )
-    if info.st_uid != os.getuid():
-        raise UnsafeSocketPath(f"the socket {path} belongs to another user; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno != errno.ECONNREFUSED:  # e.g. a full backlog: someone listens, busy
-            raise UnsafeSocketPath(
-                f"cannot tell whether an engine listens on {path}: {exc.strerror or exc}"
-            ) from exc
-        again = path.lstat()
-        if (again.st_dev, again.st_ino) == (info.st_dev, info.st_ino):
-            path.unlink()  # nobody listens: a crashed engine's leftover
-            log.info("removed stale socket %s", path)
-        return
-    finally:
-        probe.close()
-    raise RuntimeError(f"an engine is already listening on {path}")
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISFIFO, "a FIFO"),
-    ):
-        if test(mode):
-            return name
-    return "a special file"
+def refusal(exc: Exception) -> tuple[ErrorCode, str]:
+    """The code and message of a request refused before it reached the engine: the engine's
+    typed refusals carry their code, malformed input is BAD_REQUEST, anything else (a bug) is
+    the engine's error, logged."""
+    if isinstance(exc, RequestRefused):
+        return exc.code, str(exc)
+    if isinstance(exc, (ValueError, TypeError)):  # the client's input
+        return ErrorCode.BAD_REQUEST, str(exc)
+    log.exception("preparing a request failed", exc_info=exc)
+    return ErrorCode.ENGINE_ERROR, f"engine error: {type(exc).__name__}: {exc}"

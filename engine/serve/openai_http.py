@@ -2,18 +2,19 @@
 
 `/v1/completions` (plain prompts, or FIM through `suffix`; streaming as server-sent events),
 `/v1/models` and `/health`, on Starlette + uvicorn. It runs in the daemon's own event loop and
-submits to the same `Engine` as the msgpack path, so both share one scheduler and one prefix
-cache. Every `/v1/*` route needs `Authorization: Bearer <token>`; `/health` answers without it
-(load balancers probe it) and says nothing but ok/draining.
+goes through the same `CompletionService` (engine.serve.service) as the msgpack path, so both
+share one prompt builder, one context check, one scheduler and one prefix cache. Every `/v1/*`
+route needs `Authorization: Bearer <token>`; `/health` answers without it (load balancers probe
+it) and says nothing but ok/draining.
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, a body that is not a JSON object, or a prompt longer than the context; 401 without a
 valid token; 404 for another model name or path; 413 for a body over `MAX_BODY_BYTES`; 429 when
 `HttpOptions.max_requests` completions are already in flight, or the engine refuses more
 (TOO_MANY_REQUESTS); 503 while draining, when the KV pool can't hold the request, or on an
-engine error. The engine's errors carry `engine.ipc.protocol` codes, and the status
-comes from the code, never from the message. A client that disconnects mid-request cancels its
-engine request.
+engine error. The engine's refusals and error events carry an `ErrorCode`, and `ENGINE_ERRORS`
+gives the status, type and code for it: never read from the message. A client that disconnects
+mid-request cancels its engine request.
 
 Text fields may hold lone surrogates (JSON's "\\ud800" is valid syntax, but no UTF-8 can hold
 it; editors that cut text at a UTF-16 offset split pairs): each becomes U+FFFD, as a lossy
@@ -37,7 +38,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import uvicorn
 from starlette.applications import Starlette
@@ -47,11 +48,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine.core.scheduler import Event, Request
+from engine.core.request import Event, Request, RequestRefused
 from engine.ipc import protocol as P
-
-if TYPE_CHECKING:
-    from engine.serve.daemon import EngineServer
+from engine.ipc.protocol import ErrorCode
+from engine.serve.service import CompletionService
 
 log = logging.getLogger("wd_engine.http")
 
@@ -60,24 +60,29 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins valid pairs: what is left is lone
 
 HTTP_OWNER = "http"  # the engine's fairness key for every HTTP request (see above)
-CONTEXT_LENGTH_EXCEEDED = (
-    "context_length_exceeded"  # OpenAI's code; clients trim their prompt on it
-)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code; clients trim their prompt
 
-# The engine's error codes (engine.ipc.protocol) as what an OpenAI client expects: the HTTP status,
-# the error type and the error code (OpenAI's own where it has one). Another code is answered as
-# the engine's own failure.
-ENGINE_ERRORS = {
-    P.BAD_REQUEST: (400, "invalid_request_error", P.BAD_REQUEST),
-    P.CONTEXT_EXCEEDED: (400, "invalid_request_error", CONTEXT_LENGTH_EXCEEDED),
-    P.TOO_MANY_REQUESTS: (
-        429,
-        "rate_limit_error",
-        "rate_limit_exceeded",
-    ),  # clients back off, retry
-    P.POOL_FULL: (503, "server_error", P.POOL_FULL),  # this engine's KV pool is too small for it
-    P.SHUTTING_DOWN: (503, "server_error", P.SHUTTING_DOWN),
-    P.ENGINE_ERROR: (503, "server_error", P.ENGINE_ERROR),
+
+class HttpError(NamedTuple):
+    status: int
+    type: str
+    code: str  # OpenAI's own where it has one, else the engine's
+    param: str | None = None
+
+
+# The engine's error codes as what an OpenAI client expects; any other code is answered as the
+# engine's own failure.
+ENGINE_ERRORS: dict[ErrorCode, HttpError] = {
+    ErrorCode.BAD_REQUEST: HttpError(400, "invalid_request_error", ErrorCode.BAD_REQUEST),
+    ErrorCode.CONTEXT_EXCEEDED: HttpError(
+        400, "invalid_request_error", CONTEXT_LENGTH_EXCEEDED, param="prompt"
+    ),
+    # Clients back off and retry.
+    ErrorCode.TOO_MANY_REQUESTS: HttpError(429, "rate_limit_error", "rate_limit_exceeded"),
+    # This engine's KV pool is too small for the request.
+    ErrorCode.POOL_FULL: HttpError(503, "server_error", ErrorCode.POOL_FULL),
+    ErrorCode.SHUTTING_DOWN: HttpError(503, "server_error", ErrorCode.SHUTTING_DOWN),
+    ErrorCode.ENGINE_ERROR: HttpError(503, "server_error", ErrorCode.ENGINE_ERROR),
 }
 
 
@@ -128,12 +133,12 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Api
 
 
 class OpenAIFrontend:
-    """The HTTP listener of one `EngineServer`: start() binds, stop() drains and closes."""
+    """The HTTP listener over one `CompletionService`: start() binds, stop() drains and closes."""
 
-    def __init__(self, server: EngineServer, options: HttpOptions):
-        self.server = server
+    def __init__(self, service: CompletionService, options: HttpOptions):
+        self.service = service
         self.options = options
-        self.model_id = server.model_dir.name
+        self.model_id = service.model_name
         self.created = int(time.time())
         self.inflight = 0  # requests being answered; the daemon's drain waits for them
         self.admitted = 0  # of them, those past authorization that count against max_requests
@@ -197,7 +202,7 @@ class OpenAIFrontend:
 
     # -- routes ---------------------------------------------------------------------------------
     async def health(self, request: HttpRequest) -> JSONResponse:
-        ok = not self.server.draining
+        ok = not self.service.draining
         return JSONResponse({"status": "ok" if ok else "draining"}, status_code=200 if ok else 503)
 
     async def models(self, request: HttpRequest) -> JSONResponse:
@@ -216,21 +221,19 @@ class OpenAIFrontend:
         return JSONResponse(self._model_card())
 
     async def completions(self, request: HttpRequest):
-        self.server.last_client_seen = time.monotonic()
+        self.service.touch()
         self.inflight += 1
         engine_request = watcher = None
         streaming = admitted = False
         try:
             self._authorize(request)
-            if self.server.draining:
-                raise ApiError(
-                    503, "the engine is shutting down", "server_error", code=P.SHUTTING_DOWN
-                )
+            if self.service.draining:
+                raise _engine_error(ErrorCode.SHUTTING_DOWN, "the engine is shutting down")
             self._admit()  # before the body is read: a refusal costs nothing
             admitted = True
             body = await _read_json(request)
             engine_request, stream, include_usage = await self._make_request(body)
-            events = self._submit(engine_request)
+            events = self.service.submit(engine_request)
             # A client gone mid-request cancels the engine's work; the engine then ends the
             # request with a "done" event, so the loops below always see an end.
             watcher = asyncio.ensure_future(self._cancel_on_disconnect(request, engine_request))
@@ -250,7 +253,7 @@ class OpenAIFrontend:
             return exc.response()
         except asyncio.CancelledError:  # uvicorn gave up on the request (shutdown timeout)
             if engine_request is not None:
-                self.server.engine.cancel(engine_request.id, "disconnected")
+                self.service.cancel(engine_request.id, "disconnected")
             raise
         finally:
             if not streaming:
@@ -262,7 +265,7 @@ class OpenAIFrontend:
         cap = self.options.max_requests
         if self.admitted >= cap:
             raise _engine_error(
-                P.TOO_MANY_REQUESTS,
+                ErrorCode.TOO_MANY_REQUESTS,
                 f"{cap} completions are already in flight over HTTP, "
                 "the most there may be; retry when one has ended",
             )
@@ -274,12 +277,12 @@ class OpenAIFrontend:
         self.inflight -= 1
         if admitted:
             self.admitted -= 1
-        self.server.last_client_seen = time.monotonic()
+        self.service.touch()
 
     async def _cancel_on_disconnect(self, request: HttpRequest, engine_request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.server.engine.cancel(engine_request.id, "disconnected")
+        self.service.cancel(engine_request.id, "disconnected")
 
     def _authorize(self, request: HttpRequest) -> None:
         # Starlette decodes header bytes as latin-1: encoding back gives the bytes the client sent.
@@ -309,7 +312,7 @@ class OpenAIFrontend:
             "object": "model",
             "created": self.created,
             "owned_by": "wd-lsp",
-            "max_model_len": self.server.engine.model.config.max_position_embeddings,
+            "max_model_len": self.service.context_length,
         }
 
     async def _make_request(self, body: dict) -> tuple[Request, bool, bool]:
@@ -318,68 +321,26 @@ class OpenAIFrontend:
         _check_unsupported(body)
         stream, include_usage = _stream_flags(body)
         p, token_ids = _completion_params(body)
-        if token_ids is not None:  # the length first: a huge list is refused before a scan
-            self._check_context(len(token_ids), p.max_tokens)
-            self._check_token_ids(token_ids)
-            ids, forced_text = token_ids, ""
-        else:
-            ids, forced_text = await self._prompt_ids(p)
-            self._check_context(len(ids), p.max_tokens)
         ignore_eos = body.get("ignore_eos", False)  # vLLM's extension; benchmarks use it
         if not isinstance(ignore_eos, bool):
             raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
-        engine_request = Request(
-            list(ids),
-            max_tokens=p.max_tokens,
-            temperature=float(p.temperature),
-            top_p=float(p.top_p),
-            seed=p.seed,
-            stop=p.stop,
-            stop_at_eos=not ignore_eos,
-            forced_text=forced_text,
+        try:
+            if token_ids is not None:
+                prompt = self.service.prepare_ids(token_ids, p.max_tokens)
+            else:
+                prompt = await self.service.prepare(p, whole_budget=True)
+        except RequestRefused as exc:
+            raise _engine_error(exc.code, str(exc)) from exc
+        except (TypeError, ValueError) as exc:  # the client's input, as on the msgpack path
+            raise _bad(str(exc), "prompt") from exc
+        engine_request = self.service.make_request(
+            p,
+            prompt,
+            request_id=f"http:{secrets.token_hex(8)}",
             owner=HTTP_OWNER,
-            id=f"http:{secrets.token_hex(8)}",
+            stop_at_eos=not ignore_eos,
         )
         return engine_request, stream, include_usage
-
-    async def _prompt_ids(self, p: P.CompletionParams) -> tuple[list[int], str]:
-        """The text prompt's ids, built as (and sharing the prompt builders with) the msgpack
-        path, which measures the text against the context before tokenizing it."""
-        try:
-            return await self.server.build_prompt(p)
-        except Exception as exc:
-            if isinstance(exc, P.RequestError) and exc.code in ENGINE_ERRORS:
-                raise _engine_error(exc.code, str(exc)) from exc
-            if isinstance(
-                exc, (TypeError, ValueError)
-            ):  # the client's input, as on the msgpack path
-                raise _bad(str(exc), "prompt") from exc
-            raise
-
-    def _check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        if not prompt_tokens:
-            raise _bad("the prompt is empty", "prompt")
-        limit = self.server.engine.model.config.max_position_embeddings
-        if prompt_tokens + max_tokens > limit:
-            raise _bad(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{prompt_tokens} and max_tokens asks for {max_tokens}",
-                "max_tokens",
-                code=CONTEXT_LENGTH_EXCEEDED,
-            )
-
-    def _check_token_ids(self, ids: list) -> None:
-        vocab = self.server.engine.tokenizer.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise _bad(f"token ids must be integers in [0, {vocab})", "prompt")
-
-    def _submit(self, engine_request: Request) -> asyncio.Queue:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        self.server.engine.submit(
-            engine_request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
-        )
-        return events
 
     async def _collect(
         self, events: asyncio.Queue, engine_request: Request, event: Event
@@ -423,7 +384,7 @@ class OpenAIFrontend:
     ) -> None:
         # However the response ended (finished, failed write, never started because the client
         # left at once): stop the engine's work, which is a no-op for a finished request.
-        self.server.engine.cancel(engine_request.id, "disconnected")
+        self.service.cancel(engine_request.id, "disconnected")
         self._done(watcher, admitted)
 
     def _envelope(self, engine_request: Request) -> dict:
@@ -563,15 +524,15 @@ def _single_prompt(prompt):
 
 
 def _clean_text(text: str) -> str:
-    """`text` with each lone surrogate replaced by U+FFFD: the tokenizer (and UTF-8) can't take them."""
+    """`text` with each lone surrogate replaced by U+FFFD: neither the tokenizer nor UTF-8 takes
+    them."""
     return text if text.isascii() else LONE_SURROGATE.sub("\ufffd", text)
 
 
-def _engine_error(code: str | None, message: str | None) -> ApiError:
-    """The answer to an engine error, by its protocol code: never by its message."""
-    status, type_, code = ENGINE_ERRORS.get(code, ENGINE_ERRORS[P.ENGINE_ERROR])
-    param = "prompt" if code == CONTEXT_LENGTH_EXCEEDED else None
-    return ApiError(status, message or "engine error", type_, param=param, code=code)
+def _engine_error(code: ErrorCode | str | None, message: str | None) -> ApiError:
+    """The answer to an engine error, by its code: never by its message."""
+    error = ENGINE_ERRORS.get(code, ENGINE_ERRORS[ErrorCode.ENGINE_ERROR])
+    return ApiError(error.status, message or "engine error", error.type, error.param, error.code)
 
 
 async def _http_exception(request: HttpRequest, exc: HTTPException) -> JSONResponse:

@@ -1,1 +1,2 @@
-"""Reproducible training pipeline for the embedded default model (corpus, tokenizer, model, eval)."""
+"""Reproducible training pipeline for the embedded default model: corpus, tokenizer, model,
+eval."""

@@ -9,7 +9,7 @@ from pathlib import Path
 MODEL_NAME = "wd-coder-tiny"
 
 # Sized for the 48 MB package budget (about 23M params in bf16, embeddings tied) and for a 2-core
-# CPU: about 6M active params per token, so a single-line suggestion decodes in tens of ms.
+# CPU: about 6M active params per token, so a single-line suggestion decodes quickly there.
 # `train --widen-experts` grows the experts of a trained model (engine/train/grow.py); export
 # writes the width its checkpoint has, and FP8 export (`--fp8-block`) halves the projections' bytes.
 # These are the first model's sizes; the shipped model (run 7) has 384-wide experts in FP8.
@@ -28,7 +28,8 @@ CONFIG = {
     "rms_norm_eps": 1e-06,
     "rope_theta": 10000.0,
     "rope_scaling": None,
-    "max_position_embeddings": 1024,  # the training rows' length: export writes what a model trained on
+    # The training rows' length: export writes what a model trained on.
+    "max_position_embeddings": 1024,
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 256,

@@ -24,7 +24,7 @@ environment that has gained packages since, read only the packages its manifest 
 A machine that has its own stdlib and packages builds its part of the corpus itself, filtered
 against the official held-out files and leaving those (and the committed records) untouched:
 
-    python -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \
+    python -m engine.train.corpus --out .corpus --heldout-from .corpus/heldout.jsonl --no-npm \\
         --train-name train-gpu.jsonl --manifest-out PATH --heldout-list-out PATH
 
 (its own held-out files go to `heldout-gpu.jsonl`, named after the train file).
@@ -125,7 +125,8 @@ def pypi_sources(rejected: list, site_dir: Path | None = None) -> list[Source]:
         name = dist.metadata["Name"]
         site = Path(dist.locate_file("")).resolve()
         if name in SKIP_PACKAGES or name in names or site not in sites:
-            continue  # not ours, already listed (a site dir twice on the path), or another interpreter's
+            # Not ours, already listed (a site dir twice on the path), or another interpreter's.
+            continue
         names.add(name)
         ok, licence = classify(dist.metadata)
         if not ok:

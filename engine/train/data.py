@@ -1,9 +1,10 @@
 """Training examples: documents -> chunks -> FIM (PSM / SPM) or left-to-right -> packed token rows.
 
 Each worker of the DataLoader walks its own seeded shuffle of chunks and yields [rows, seq_len + 1]
-int64 tensors (inputs and shifted targets share one row); a FIM example never straddles two rows. FIM spans are chosen at the character
-level, half of them aligned to whole lines (as an editor completes a line or a block), and each
-piece is tokenized on its own, exactly as inference prompts are.
+int64 tensors (inputs and shifted targets share one row); a FIM example never straddles two rows.
+FIM spans are chosen at the character level, half of them aligned to whole lines (as an editor
+completes a line or a block), and each piece is tokenized on its own, exactly as inference
+prompts are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def read_docs(jsonl: Path) -> list[str]:
 
 
 def chunk_doc(text: str, limit: int = CHUNK_CHARS) -> list[str]:
-    """Split at line boundaries into pieces of at most ~limit chars (a longer single line stays whole)."""
+    """Split at line boundaries into pieces of at most ~limit chars (a longer single line stays
+    whole)."""
     chunks, cur, size = [], [], 0
     for line in text.splitlines(keepends=True):
         if size + len(line) > limit and cur:
@@ -124,7 +126,8 @@ class RowPacker:
 
 
 class PackedStream(torch.utils.data.IterableDataset):
-    """Endless stream of packed rows; each DataLoader worker takes every n-th chunk of its shuffle."""
+    """Endless stream of packed rows; each DataLoader worker takes every n-th chunk of its
+    shuffle."""
 
     def __init__(self, chunks: list[str], tokenizer_path: Path, seq_len: int, rows: int, seed: int):
         self.chunks, self.tokenizer_path = chunks, tokenizer_path
@@ -151,7 +154,8 @@ class PackedStream(torch.utils.data.IterableDataset):
 
 
 def heldout_rows(docs: list[str], tok: Tokenizer, seq_len: int, max_rows: int):
-    """Left-to-right held-out rows and the byte count of every target, for loss and bits per byte."""
+    """Left-to-right held-out rows and the byte count of every target (for loss and bits per
+    byte)."""
     eos = tok.token_to_id(ENDOFTEXT)
     ids: list[int] = []
     for d in docs:

@@ -5,11 +5,14 @@
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
 stop at end of middle), greedy (`--beams N`: single lines by beam search, as the server asks),
 in PSM and SPM order; exact match and edit similarity. Bits per byte: left-to-right loss over
-the first --bpb-tokens tokens of each file. Runs through the project's engine, with token healing at the cursor as the server does (`--no-heal`: without);
-`--backend transformers` runs the same tasks through Hugging Face instead (without healing).
-Tasks keep 2,000 characters of prefix and 1,000 of suffix (the eval's numbers since the first
-model); `--editor-context` measures what the language server sends the model instead: its context
-budget fitted to the model's context, in the prompt layout of the engine daemon.
+the first --bpb-tokens tokens of each file. Runs through the project's engine, one request at a
+time as the daemon runs it (prompt-lookup speculation included; no prefix cache, so no task's
+answer depends on the tasks before it), with token healing at the cursor as the server does
+(`--no-heal`: without); `--backend transformers` runs the same tasks through Hugging Face
+instead (without healing). Tasks keep 2,000 characters of prefix and 1,000 of suffix (the eval's
+numbers since the first model); `--layout server` lays them out as the engine daemon does for a
+request of `--server-max-tokens` (what the language server sends the model:
+`python -m wd_lsp.bench.editor_eval`, which passes its own budget and max_tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.ipc.protocol import MAX_BEAMS
+from engine.ipc.protocol import MAX_BEAMS, CompletionParams
 
 from . import heldout
 from .data import load_tokenizer, token_byte_lengths
@@ -33,28 +36,45 @@ from .metrics import clustered_interval, edit_similarity, exact_match, wilson_in
 
 MAX_NEW = {"single": 24, "multi": 96}
 STOPS = {"single": ["\n"], "multi": []}
+# --layout server: a completion request's max_tokens where it gives none (the protocol's default).
+SERVER_MAX_TOKENS = CompletionParams.max_tokens
 
 
 class EngineBackend:
-    def __init__(self, model_dir: Path, heal: bool = True, beams: int = 1, layout: str = "eval"):
-        from engine.core.generate import complete
+    def __init__(
+        self,
+        model_dir: Path,
+        heal: bool = True,
+        beams: int = 1,
+        layout: str = "eval",
+        server_max_tokens: int = SERVER_MAX_TOKENS,
+    ):
+        from engine.core.engine import Engine
+        from engine.core.options import EngineOptions
         from engine.loading.loader import load_model
         from engine.loading.tokenizer import Tokenizer
         from engine.prompts.fim import healed_text
-        from engine.prompts.layout import build_completion_prompt, fim_prompt_within, prompt_budget
-        from engine.serve.daemon import ServeOptions
-        from wd_lsp.config import Settings
+        from engine.prompts.layout import (
+            MAX_PROMPT_TOKENS,
+            build_completion_prompt,
+            fim_prompt_within,
+            prompt_budget,
+        )
 
         self.model = load_model(model_dir)
         self.tok = Tokenizer.from_dir(model_dir)
-        self._complete, self._healed = complete, healed_text
+        self.context = self.model.config.max_position_embeddings
+        # Requests one at a time: a pool for one context; no prefix cache, so that a task's
+        # answer never depends on the tasks before it.
+        options = EngineOptions.holding(self.context, prefix_cache=False)
+        self.engine = Engine(self.model, self.tok, options)
+        self._healed = healed_text
         self._server_prompt, self._fim_prompt = build_completion_prompt, fim_prompt_within
         self.heal = heal
         self.beams = beams  # single-line tasks only: what the language server asks for
-        self.context = self.model.config.max_position_embeddings
         # server: the daemon's budget for the language server's request (its max_tokens)
         self.server_budget = (
-            prompt_budget(self.context, Settings().max_tokens, ServeOptions.max_prompt_tokens)
+            prompt_budget(self.context, server_max_tokens, MAX_PROMPT_TOKENS)
             if layout == "server"
             else None
         )
@@ -82,19 +102,19 @@ class EngineBackend:
         return self.tok.encode(text)
 
     def fim(self, prefix: str, suffix: str, order: str, kind: str) -> str:
+        from engine.core.request import Request
+
         ids = self._prompt_ids(prefix, suffix, order, kind)
         forced = self._healed(self.tok, prefix) if self.heal else ""
-        text, _ = self._complete(
-            self.model,
-            self.tok,
+        request = Request(
             ids,
             max_tokens=MAX_NEW[kind],
             temperature=0.0,
-            stop=STOPS[kind],
+            stop=tuple(STOPS[kind]),
             forced_text=forced,
             beams=self.beams if kind == "single" else 1,
         )
-        return text
+        return self.engine.complete(request).check().text
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         cache = self.model.new_cache(1, capacity=len(ids))
@@ -154,7 +174,8 @@ class TransformersBackend:
 
 
 def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
-    """Left-to-right nats over the bytes of the predicted tokens (each ByteLevel char is one byte)."""
+    """Left-to-right nats over the bytes of the predicted tokens (each ByteLevel character is one
+    byte)."""
     byte_len = token_byte_lengths(load_tokenizer(model_dir / "tokenizer.json"))
     nats, n_bytes = 0.0, 0
     for _, text in docs:
@@ -191,6 +212,7 @@ def run(
     prefix_chars: int = PREFIX_CHARS,
     suffix_chars: int = SUFFIX_CHARS,
     layout: str = "eval",
+    server_max_tokens: int = SERVER_MAX_TOKENS,
 ) -> dict:
     docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
     if not docs:
@@ -199,9 +221,9 @@ def run(
     if beams > 1 and backend_name != "engine":
         raise SystemExit("--beams runs through the engine only")
     if layout == "server" and backend_name != "engine":
-        raise SystemExit("--layout server (and --editor-context) run through the engine only")
+        raise SystemExit("--layout server runs through the engine only")
     backend = (
-        EngineBackend(model_dir, heal, beams, layout)
+        EngineBackend(model_dir, heal, beams, layout, server_max_tokens)
         if backend_name == "engine"
         else TransformersBackend(model_dir)
     )
@@ -214,6 +236,7 @@ def run(
         "single_line_beams": beams,
         "context_chars": [prefix_chars, suffix_chars],
         "layout": layout,
+        **({"server_max_tokens": server_max_tokens} if layout == "server" else {}),
         "token_healing": heal and backend_name == "engine",
         "load_s": round(time.time() - t0, 3),
     }
@@ -263,20 +286,6 @@ def run(
     return result
 
 
-def editor_context_chars(model_dir: Path) -> tuple[int, int]:
-    """The prefix and suffix the language server sends a model, in characters: its budget fitted to
-    the model's context, at its estimate of characters per token (it cuts at line and syntax
-    boundaries within that, so this is the upper end of what it sends)."""
-    from wd_lsp.config import Settings
-    from wd_lsp.context import Budget
-
-    context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
-    budget = Budget().fitted(context, Settings().max_tokens)
-    return int(budget.prefix_tokens * budget.chars_per_token), int(
-        budget.suffix_tokens * budget.chars_per_token
-    )
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -307,14 +316,15 @@ def main(argv=None) -> None:
         "--beams",
         type=int,
         default=1,
-        help="single-line tasks by beam search over this many hypotheses, as the server asks (default: greedy)",
+        help="single-line tasks by beam search over this many hypotheses, as the server asks "
+        "(default: greedy)",
     )
     ap.add_argument(
         "--prefix-chars",
         type=int,
         default=PREFIX_CHARS,
-        help="prefix kept before the cursor, cut at a line start (see --editor-context for what the "
-        "language server sends)",
+        help="prefix kept before the cursor, cut at a line start (what the language server sends: "
+        "python -m wd_lsp.bench.editor_eval)",
     )
     ap.add_argument(
         "--suffix-chars",
@@ -326,14 +336,15 @@ def main(argv=None) -> None:
         "--layout",
         choices=["eval", "server"],
         default="eval",
-        help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon builds, "
-        "cut to the model's context and the suffix's token cap",
+        help="eval: the whole trimmed prefix and suffix; server: the prompt the engine daemon "
+        "builds, cut to the model's context and the suffix's token cap",
     )
     ap.add_argument(
-        "--editor-context",
-        action="store_true",
-        help="what the language server sends this model: --layout server, with the character budgets "
-        "of its context budget fitted to the model's context (overrides --prefix-chars/--suffix-chars)",
+        "--server-max-tokens",
+        type=int,
+        default=SERVER_MAX_TOKENS,
+        help="--layout server: the max_tokens of the request the daemon lays the prompt out for "
+        "(default: the protocol's)",
     )
     ap.add_argument(
         "--details",
@@ -345,9 +356,6 @@ def main(argv=None) -> None:
         ap.error("--tasks-per-file must be at least 1")
     if not 1 <= args.beams <= MAX_BEAMS:
         ap.error(f"--beams must be within 1..{MAX_BEAMS}")
-    if args.editor_context:
-        args.prefix_chars, args.suffix_chars = editor_context_chars(args.model)
-        args.layout = "server"
     details = open(args.details, "w") if args.details else None
     try:
         with torch.no_grad():  # scoped: tests call main() in-process, next to training
@@ -367,6 +375,7 @@ def main(argv=None) -> None:
                 prefix_chars=args.prefix_chars,
                 suffix_chars=args.suffix_chars,
                 layout=args.layout,
+                server_max_tokens=args.server_max_tokens,
             )
     finally:
         if details:

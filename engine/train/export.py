@@ -1,12 +1,14 @@
 """Turn a training checkpoint into the shipped Hugging Face model folder.
 
-    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny [--fp8-block 64 | --int4-group 32]
+    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny \\
+        [--fp8-block 64 | --int4-group 32]
 
 Writes one `model.safetensors` (standard per-expert HF keys, tied lm_head omitted as transformers
 does; bf16, or with --fp8-block the attention and expert projections as block-scaled FP8 in the
 format of Qwen's FP8 releases, which the engine and transformers both read, or with --int4-group as
-group-scaled int4 in compressed-tensors' pack-quantized format, engine/loading/int4.py), `config.json`, `generation_config.json`, and copies the run's `log.jsonl`,
-`state.json` and `loss.png` next to it as `training_log.jsonl` / `training_state.json` / `loss.png`.
+group-scaled int4 in compressed-tensors' pack-quantized format, engine/loading/int4.py),
+`config.json`, `generation_config.json`, and copies the run's `log.jsonl`, `state.json` and
+`loss.png` next to it as `training_log.jsonl` / `training_state.json` / `loss.png`.
 """
 
 from __future__ import annotations
@@ -127,16 +129,16 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--fp8-block",
         type=int,
-        help="ship the projections as FP8 with this block size (as trained "
-        "with train --fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
+        help="ship the projections as FP8 with this block size (as trained with train "
+        "--fp8-block); it must divide the hidden and expert sizes for transformers to load it. "
         "Without it, a checkpoint trained with --fp8-block ships its unrounded bf16 weights",
     )
     ap.add_argument(
         "--int4-group",
         type=int,
-        help="ship the projections as int4 with one scale per this many "
-        "input columns (as trained with train --int4-group; a multiple of 8 that divides the hidden and "
-        "expert sizes)",
+        help="ship the projections as int4 with one scale per this many input columns (as "
+        "trained with train --int4-group; a multiple of 8 that divides the hidden and expert "
+        "sizes)",
     )
     args = ap.parse_args(argv)
     if args.fp8_block is not None and args.fp8_block <= 0:

@@ -2,7 +2,8 @@
 which the corpus builder reads with `--site` (nothing is installed, no dependencies are fetched,
 no code runs).
 
-    python -m engine.train.fetch_wheels --list engine/train/data/extra_packages.txt --out .corpus/extra
+    python -m engine.train.fetch_wheels --list engine/train/data/extra_packages.txt \\
+        --out .corpus/extra
 
 writes the wheels to OUT/wheels and unpacks each listed one into its own folder under OUT/site (so
 two wheels that ship the same path, say `tests/conftest.py`, cannot overwrite each other's file
@@ -12,7 +13,8 @@ under the other's licence). The corpus part they make:
         --heldout-from .corpus/heldout.jsonl --train-name train-extra.jsonl \\
         --manifest-out engine/train/data/manifest-extra.json \\
         --heldout-list-out engine/train/data/heldout-extra.txt \\
-        --exclude-from engine/train/data/manifest.json --exclude-from engine/train/data/manifest-gpu.json
+        --exclude-from engine/train/data/manifest.json \\
+        --exclude-from engine/train/data/manifest-gpu.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Seeded FIM evaluation tasks cut from held-out files.
 
 single-line: one random non-empty line; its indentation stays in the prefix (the editor has
-             already indented), the middle is the rest of the line, the suffix starts at its newline.
+             already indented), the middle is the rest of the line, the suffix starts at its
+             newline.
 multi-line:  2-5 consecutive lines starting at a random non-empty line, cut the same way.
 Prefix and suffix are trimmed at line boundaries to a character budget: by default 2,000 and
 1,000, which keeps prompts inside a 1024-token context (the eval's numbers since the first model);

@@ -43,7 +43,7 @@ def load(
     allow_changed: bool = False,
     limit: int | None = None,
 ) -> list[tuple[str, str]]:
-    """[(id, text)] in the list's order (sorted by content hash, i.e. a fixed pseudo-random order)."""
+    """[(id, text)] in the list's order (sorted by content hash: a fixed pseudo-random order)."""
     wanted = entries(lang)
     built = corpus / "heldout.jsonl"
     texts: dict[str, str] = {}

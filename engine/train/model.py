@@ -3,6 +3,14 @@ on-disk layout (`model.layers.L.mlp.experts.N.gate_proj.weight`, ...), so `state
 checkpoint. Semantics follow transformers' Qwen3MoeForCausalLM: per-head q/k RMSNorm before RoPE
 (rotate-half), GQA, softmax router -> top-k -> renormalised weights, tied lm_head.
 
+It computes with the inference layer's definitions (`kernels.reference`, which engine.model.layer
+runs) where autograd allows: RMSNorm, RoPE, and the router's softmax, top-k and renormalisation.
+Attention runs through `F.scaled_dot_product_attention` instead, whose fused kernels train on long
+sequences without the [T, T] score matrix that `kernels.reference.attention` builds and autograd
+would keep; the experts stay one `Linear` per projection, named as the checkpoint and each able to
+train through FP8 or int4 rounding, where the inference layer's fused [E, 2I, H] tensors would
+need a copy of every expert's weights at each step.
+
 Only training needs this module; serving uses the engine, and tests check it against transformers.
 """
 
@@ -13,12 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.loading import fp8, int4
+from kernels import reference as ref
 
 
 class Linear(nn.Linear):
     """nn.Linear (no bias) that can train through FP8 or int4 rounding: with `fp8_block` or
-    `int4_group` set, the forward pass sees the weight as the shipped quantized checkpoint will hold
-    it (quantization-aware training), while the optimizer keeps updating the full-precision weight."""
+    `int4_group` set, the forward pass sees the weight as the shipped quantized checkpoint will
+    hold it (quantization-aware training), while the optimizer keeps updating the full-precision
+    weight."""
 
     fp8_block: int | None = None
     int4_group: int | None = None
@@ -46,26 +56,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ref.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    """fp32 cos/sin tables [T, D] of positions [T]."""
+    inv_freq = ref.rope_inv_freq(head_dim, theta).to(positions.device)
+    return ref.rope_cos_sin(positions, inv_freq, torch.float32)
 
 
 def apply_rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """RoPE in fp32 (cos, sin are), back in x's dtype."""
+    return ref.apply_rope(x, cos, sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -142,10 +144,10 @@ class SparseMoe(nn.Module):
         )
 
     def route(self, x):
+        top_i, top_w = ref.route(x, self.gate.weight, self.top_k, self.norm_topk)
+        # The balance loss needs every expert's probability, which the routing does not return:
+        # the router's small [N, E] product once more, little beside the experts' work.
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            top_w = top_w / top_w.sum(-1, keepdim=True)
         # Switch-style balance loss: experts' routed fraction times their mean router probability.
         routed = F.one_hot(top_i, self.n_experts).sum((0, 1)).float() / top_i.numel()
         aux = self.n_experts * (routed * probs.mean(0)).sum()
@@ -238,7 +240,8 @@ class Qwen3MoeLM(nn.Module):
                 m.fp8_block = block
 
     def set_int4_training(self, group: int | None) -> None:
-        """As `set_fp8_training`, through int4 rounding with this group size (`export --int4-group`)."""
+        """As `set_fp8_training`, through int4 rounding with this group size
+        (`export --int4-group`)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.int4_group = group

@@ -1,7 +1,8 @@
 """Pack the built corpus into one xz archive to carry to the GPU machine (whose transfers are
 size-limited), optionally keeping only a seeded fraction of the train files.
 
-    python -m engine.train.pack --corpus .corpus --out .runs/pack/corpus.tar.xz [--fraction 0.55 --seed 2]
+    python -m engine.train.pack --corpus .corpus --out .runs/pack/corpus.tar.xz \\
+        [--fraction 0.55 --seed 2]
 
 On the GPU machine: `mkdir -p .corpus && tar -xJf .runs/pack/corpus.tar.xz -C .corpus`.
 
@@ -48,7 +49,8 @@ def read_package_list(path: Path = GPU_MACHINE_PACKAGES) -> set[str]:
 
 
 def built_there(doc_id: str, packages: set[str]) -> bool:
-    """Does a machine with these packages build this doc itself (its stdlib, or a listed package)?"""
+    """Does a machine with these packages build this doc itself (its stdlib or a listed
+    package)?"""
     kind, _, rest = doc_id.partition(":")
     return kind == "python-stdlib" or (
         kind == "pypi" and normalize(rest.partition(":")[0]) in packages

@@ -1,6 +1,7 @@
 """Exact match by how much of the true line a model can read off its own context.
 
-    python -m engine.train.task_groups DETAILS.jsonl [MORE.jsonl ...] [--files 300 --tasks-per-file 5]
+    python -m engine.train.task_groups DETAILS.jsonl [MORE.jsonl ...] \\
+        [--files 300 --tasks-per-file 5]
 
 Rebuilds the single-line tasks an eval cut (the same held-out files, seed, tasks per file and
 context budget: pass what the eval was given) and puts each in one group: a comment or docstring

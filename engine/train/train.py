@@ -1,12 +1,13 @@
 """Train the default model on one GPU within a wall-clock budget, resumable across runs.
 
-    python -m engine.train.train --corpus .corpus --model-dir engine/models/wd-coder-tiny \
+    python -m engine.train.train --corpus .corpus --model-dir engine/models/wd-coder-tiny \\
         --out OUT_DIR --budget-s 450 [--resume PREV_OUT/ckpt]
 
 The learning rate warms up, stays flat and decays linearly (to --final-lr-frac of its peak, 10% by
 default) over the last --decay-frac of this run's wall-clock budget, so the run sizes itself to
-whatever throughput the machine gives. Progress (loss, router balance loss, tokens/s) is printed as it goes and appended to OUT/log.jsonl together
-with the held-out loss and bits per byte; the checkpoint is rewritten every --save-every-s.
+whatever throughput the machine gives. Progress (loss, router balance loss, tokens/s) is printed
+as it goes and appended to OUT/log.jsonl together with the held-out loss and bits per byte; the
+checkpoint is rewritten every --save-every-s.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def parse_args(argv=None):
         "--seq-len",
         type=int,
         default=1024,
-        help="row length in tokens; the export declares the longest a model trained on as its context",
+        help="row length in tokens; export declares the longest a model trained on as its context",
     )
     ap.add_argument(
         "--chunk-chars",
@@ -299,7 +300,8 @@ def main(argv=None) -> None:
     t_load = time.time()
     files = train_files(args.corpus)
     chunks = [c for f in files for d in read_docs(f) for c in chunk_doc(d, args.chunk_chars)]
-    # The middle's loss with the indentation in the prefix, and moved into the middle as healing prompts.
+    # The middle's loss with the indentation in the prefix, and with it moved into the middle as
+    # healing prompts.
     fim_sets = {
         name: heldout_fim_rows(
             held_docs, tokenizer, args.seq_len, args.heldout_fim_rows, healed=healed
@@ -307,7 +309,8 @@ def main(argv=None) -> None:
         for name, healed in (("heldout_fim", False), ("heldout_fim_healed", True))
     }
     print(
-        f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, {len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)",
+        f"{len(chunks):,} train chunks from {', '.join(f.name for f in files)}, "
+        f"{len(held_rows)} held-out rows ({time.time() - t_load:.1f}s)",
         flush=True,
     )
     # A resumed run draws a fresh shuffle and fresh FIM spans instead of replaying the first run's.
@@ -346,7 +349,7 @@ def main(argv=None) -> None:
         log_f.flush()
 
     def save(until: float | None = None) -> None:
-        """This run is recorded as it stands, so a run cut off mid-way still has its time and steps."""
+        """Record this run as it stands: a run cut off mid-way still has its time and steps."""
         seconds = (until or time.time()) - t0
         checkpoint.save(
             model,

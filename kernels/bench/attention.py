@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 
@@ -101,7 +102,7 @@ def main(argv=None):
                 exact = reference(q, keys, values, tables, lengths, ks, vs)
                 err = ((out.double() - exact).norm() / exact.norm()).item()
                 us = time_graph(
-                    lambda: paged_decode_attention(q, keys, values, tables, lengths, BS, ks, vs)
+                    partial(paged_decode_attention, q, keys, values, tables, lengths, BS, ks, vs)
                 )
                 kv_bytes = batch * context * HKV * D * 2 * keys.element_size()
                 if fp8:
@@ -117,8 +118,8 @@ def main(argv=None):
                 )
                 rows.append(row)
                 print(
-                    f"{row['format']:>5} {batch:>3} {context:>6} {err:>9.2e} {us:>8.1f} {floor:>9.1f} "
-                    f"{floor / us:>7.0%}"
+                    f"{row['format']:>5} {batch:>3} {context:>6} {err:>9.2e} {us:>8.1f} "
+                    f"{floor:>9.1f} {floor / us:>7.0%}"
                 )
                 assert err < 2e-2, f"paged attention error {err} too large"
     if args.json:

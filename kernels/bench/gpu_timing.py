@@ -9,6 +9,7 @@ the median replay time over the number of layers in it.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 
 import torch
 import triton
@@ -63,15 +64,14 @@ def read_bandwidth(n_bytes: int = 2 << 30) -> dict:
         grid = n // (block * iters)
         out = torch.empty(grid, device="cuda", dtype=torch.float32)
         ms = triton.testing.do_bench(
-            lambda: _read_kernel[(grid,)](src, out, BLOCK=block, ITERS=iters, num_warps=warps),
+            partial(_read_kernel[(grid,)], src, out, BLOCK=block, ITERS=iters, num_warps=warps),
             warmup=25,
             rep=200,
             return_mode="median",
         )
         results[f"read_{block}x{iters}_w{warps}"] = grid * block * iters * 2 / (ms * 1e-3)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(partial(dst.copy_, src), warmup=25, rep=200, return_mode="median")
     copy = 2 * n * 2 / (ms * 1e-3)
-    del src, dst
     read = max(results.values())
     return {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "read_variants": results}

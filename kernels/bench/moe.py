@@ -8,9 +8,10 @@ Shape: the Qwen3-30B-A3B MoE layer (H=2048, E=128, k=8, I=768), random bf16 weig
 several layers cycled so L2 cannot help. For each batch size: the floor (distinct experts
 touched x 3*H*I*2 bytes over the measured read bandwidth), each path's time per layer under
 CUDA graphs (median of many replays, each path timed twice), and each path's relative error
-against a float64 reference, taken from a CUDA-graph replay (where the kernels overlap). `--tune` sweeps block sizes for both paths, writes
-`kernels/configs/*.json` (and a copy to --save-configs) and the crossover table the
-dispatcher reads, then benchmarks with what it wrote.
+against a float64 reference, taken from a CUDA-graph replay (where the kernels overlap).
+`--tune` sweeps block sizes for both paths, writes `kernels/configs/*.json` (and a copy to
+--save-configs) and the crossover table the dispatcher reads, then benchmarks with what it
+wrote.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -133,7 +135,7 @@ def check(log) -> bool:
             errs = {
                 "warp_decode": rel_err(warp_decode_moe(*args), ref),
                 "warp_decode_overlap": rel_err(
-                    graph_output(lambda *a: warp_decode_moe(*a, config=overlapped), args), ref
+                    graph_output(partial(warp_decode_moe, config=overlapped), args), ref
                 ),
                 "warp_decode_dedup": rel_err(warp_decode_dedup_moe(*args), ref),
                 "expert_centric": rel_err(fused_moe(*args), ref),
@@ -154,7 +156,8 @@ def check(log) -> bool:
         ok &= good
         log(
             f"check B={batch} {shape}: rel err {errs} (bf16 rounding {bf16_floor:.2e}); "
-            f"router ids same order as torch {same_ids:.3f}, max weight diff {w_err:.1e} -> {'ok' if good else 'FAIL'}"
+            f"router ids same order as torch {same_ids:.3f}, max weight diff {w_err:.1e} "
+            f"-> {'ok' if good else 'FAIL'}"
         )
     return ok
 
@@ -348,7 +351,8 @@ def main(argv=None):
         rows.append(row)
         log(
             f"B={batch:3d} floor {row['floor_us']:6.1f}  ec {row['expert_centric_us_1']:6.1f}/"
-            f"{row['expert_centric_us_2']:6.1f}  wd {row['warp_decode_us_1']:6.1f}/{row['warp_decode_us_2']:6.1f}"
+            f"{row['expert_centric_us_2']:6.1f}  "
+            f"wd {row['warp_decode_us_1']:6.1f}/{row['warp_decode_us_2']:6.1f}"
             f"  dedup {row['warp_decode_dedup_us_1']:6.1f}/{row['warp_decode_dedup_us_2']:6.1f}"
             f"  batched {row.get('warp_decode_batched_us_1', math.nan):6.1f}/"
             f"{row.get('warp_decode_batched_us_2', math.nan):6.1f}"
@@ -394,7 +398,8 @@ def print_table(rows, log):
         print(
             f"{r['batch']:>3} {r['distinct_experts']:>7.1f} {r['floor_us']:>7.1f} "
             f"{r['expert_centric_us']:>9.1f} {r['warp_decode_us']:>9.1f} "
-            f"{r['warp_decode_dedup_us']:>8.1f} {r.get('warp_decode_batched_us', nan):>8.1f} {r['dispatch_us']:>9.1f} "
+            f"{r['warp_decode_dedup_us']:>8.1f} {r.get('warp_decode_batched_us', nan):>8.1f} "
+            f"{r['dispatch_us']:>9.1f} "
             f"{r['dispatch_path']:>19} {r['floor_us'] / r['warp_decode_us']:>8.2f} "
             f"{r['expert_centric_us'] / r['warp_decode_us']:>6.2f} {r['expert_centric_err']:>8.2e} "
             f"{r['warp_decode_err']:>8.2e} {r['warp_decode_dedup_err']:>8.2e} "

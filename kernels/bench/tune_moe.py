@@ -16,6 +16,7 @@ import itertools
 import math
 import multiprocessing
 import os
+from functools import partial
 
 import torch
 
@@ -146,6 +147,17 @@ def _best(times, candidates, fallback):
     return candidates[idx], times[idx]
 
 
+def _every_layer(run, cfg, n_layers):
+    """One timed unit: `run(cfg, layer)` for every layer in turn (weights cycled past L2)."""
+    return [run(cfg, l) for l in range(n_layers)]
+
+
+def _layer_runner(fn, layer_args):
+    """run(cfg, layer) = fn(*layer_args[layer], cfg), for `_time_candidates`: the arguments are
+    bound here, so a runner made in a loop never sees a later iteration's inputs."""
+    return lambda cfg, l: fn(*layer_args[l], cfg)
+
+
 def _time_candidates(name, candidates, run, reference_out, replays, n_layers, log):
     """{index: µs per layer} for candidates whose output matches the reference."""
     times = {}
@@ -157,7 +169,7 @@ def _time_candidates(name, candidates, run, reference_out, replays, n_layers, lo
                 log(f"  {name} {cfg}: wrong output (rel err {err:.2e}), skipped")
                 continue
             times[idx] = (
-                graph_time_us(lambda: [run(cfg, l) for l in range(n_layers)], replays) / n_layers
+                graph_time_us(partial(_every_layer, run, cfg, n_layers), replays) / n_layers
             )
         except Exception as exc:
             log(f"  {name} {cfg}: failed ({type(exc).__name__}: {exc})")
@@ -178,11 +190,12 @@ def tune_warp_decode(layers, batches, inputs, replays=40, log=print):
         ]
         base_y = wd.down(base_act[0], layers.w_down[0], ids[0], weights[0], wd.DEFAULT_DOWN)
 
-        def run_gate_up(cfg, l):
-            return wd.gate_up_silu(xs[l], layers.w_gate_up[l], ids[l], cfg)
-
-        def run_down(cfg, l):
-            return wd.down(base_act[l], layers.w_down[l], ids[l], weights[l], cfg)
+        run_gate_up = _layer_runner(
+            wd.gate_up_silu, [(xs[l], layers.w_gate_up[l], ids[l]) for l in range(n)]
+        )
+        run_down = _layer_runner(
+            wd.down, [(base_act[l], layers.w_down[l], ids[l], weights[l]) for l in range(n)]
+        )
 
         t1 = _time_candidates(
             "warp gate_up", gate_up_cands, run_gate_up, base_act[0], replays, n, log
@@ -197,6 +210,10 @@ def tune_warp_decode(layers, batches, inputs, replays=40, log=print):
     return result
 
 
+def _align_every_layer(ids, experts, block_m):
+    return [align_by_expert(layer_ids, experts, block_m) for layer_ids in ids]
+
+
 def tune_fused(layers, batches, inputs, replays=40, log=print):
     """{"configs": {B: cfg}, "us": {B: {"align", "gate_up", "down"}}} choosing BLOCK_M per B."""
     cands = _gemm_candidates()
@@ -208,10 +225,7 @@ def tune_fused(layers, batches, inputs, replays=40, log=print):
         for block_m in FUSED_BLOCK_M:
             groups = [align_by_expert(ids[l], layers.experts, block_m) for l in range(n)]
             t_align = (
-                graph_time_us(
-                    lambda: [align_by_expert(ids[l], layers.experts, block_m) for l in range(n)],
-                    replays,
-                )
+                graph_time_us(partial(_align_every_layer, ids, layers.experts, block_m), replays)
                 / n
             )
             base_act = [
@@ -234,15 +248,14 @@ def tune_fused(layers, batches, inputs, replays=40, log=print):
                 ec.DEFAULT_CONFIG["down"],
             )
 
-            def run_gate_up(cfg, l):
-                return ec.gate_up_stage(
-                    xs[l], layers.w_gate_up[l], groups[l], layers.top_k, block_m, cfg
-                )
-
-            def run_down(cfg, l):
-                return ec.down_stage(
-                    base_act[l], layers.w_down[l], weights[l], groups[l], block_m, cfg
-                )
+            run_gate_up = _layer_runner(
+                ec.gate_up_stage,
+                [(xs[l], layers.w_gate_up[l], groups[l], layers.top_k, block_m) for l in range(n)],
+            )
+            run_down = _layer_runner(
+                ec.down_stage,
+                [(base_act[l], layers.w_down[l], weights[l], groups[l], block_m) for l in range(n)],
+            )
 
             t1 = _time_candidates(
                 f"ec gate_up M{block_m}", cands, run_gate_up, base_act[0], replays, n, log
@@ -301,7 +314,7 @@ def tune_batched(layers, batches, inputs, replays=40, log=print):
             times = _time_candidates(
                 f"batched {stage}",
                 trial,
-                lambda c, l: wb.warp_decode_batched_moe(*args[l], config=c),
+                _layer_runner(wb.warp_decode_batched_moe, args),
                 reference_out,
                 replays,
                 n,
@@ -398,13 +411,14 @@ def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
         args = [
             (xs[l], layers.w_gate_up[l], layers.w_down[l], ids[l], weights[l]) for l in range(n)
         ]
+        gate_up_args = [(xs[l], layers.w_gate_up[l], ids[l]) for l in range(n)]
         reference_out = wd.warp_decode_moe(*args[0], config=warp_cfgs(batch))
         base = warp_cfgs(batch)
         trial = _layer_variants(base, batch)
         times = _time_candidates(
             "warp layer",
             trial,
-            lambda c, l: wd.warp_decode_moe(*args[l], config=c),
+            _layer_runner(wd.warp_decode_moe, args),
             reference_out,
             replays,
             n,
@@ -417,10 +431,9 @@ def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
             "warp_variants": [(trial[i], t) for i, t in times.items()],
             "warp": best_us,
             "warp_gate_up": graph_time_us(
-                lambda: [
-                    wd.gate_up_silu(xs[l], layers.w_gate_up[l], ids[l], base["gate_up"])
-                    for l in range(n)
-                ],
+                partial(
+                    _every_layer, _layer_runner(wd.gate_up_silu, gate_up_args), base["gate_up"], n
+                ),
                 replays,
             )
             / n,
@@ -435,7 +448,7 @@ def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
             t1 = _time_candidates(
                 "dedup gate_up",
                 DEDUP_GATE_UP,
-                lambda c, l: dd.gate_up_dedup(xs[l], layers.w_gate_up[l], ids[l], c),
+                _layer_runner(dd.gate_up_dedup, gate_up_args),
                 base_act,
                 replays,
                 n,
@@ -449,7 +462,7 @@ def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
             t2 = _time_candidates(
                 "dedup layer",
                 layer,
-                lambda c, l: dd.warp_decode_dedup_moe(*args[l], config=c),
+                _layer_runner(dd.warp_decode_dedup_moe, args),
                 reference_out,
                 replays,
                 n,
@@ -464,8 +477,8 @@ def tune_overlap(layers, batches, inputs, warp_cfgs, replays=60, log=print):
                 dedup=d_us,
             )
             log(
-                f"B={batch:3d} dedup: kernel 1 {g_us:7.2f} us {g_best} (plain {us['warp_gate_up']:.2f}); "
-                f"layer {d_us:7.2f} us"
+                f"B={batch:3d} dedup: kernel 1 {g_us:7.2f} us {g_best} "
+                f"(plain {us['warp_gate_up']:.2f}); layer {d_us:7.2f} us"
             )
         out["us"][str(batch)] = us
     return out

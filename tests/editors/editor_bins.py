@@ -84,7 +84,8 @@ def _fetch(label: str, dest: Path) -> None:
 
 
 def nvim_binary(label: str) -> Path:
-    """Path of a working nvim `label` ("0.12" or "0.11"); raises Unavailable when it can't be had."""
+    """Path of a working nvim `label` ("0.12" or "0.11"); raises Unavailable when it can't be
+    had."""
     override = os.environ.get(f"WD_LSP_NVIM_{label.replace('.', '_')}")
     if override:
         return Path(override)

@@ -20,7 +20,8 @@ PLUGIN = Path(__file__).resolve().parents[2] / "editors" / "nvim"
 FIRST_GHOST_TIMEOUT = 240
 TIMEOUT = 60
 
-SOURCE = """\
+SOURCE = (
+    """\
 import math
 
 
@@ -31,10 +32,13 @@ def circle_area(radius):
 def fibonacci(n):
     if n < 2:
         return n
-    
+"""
+    + " " * 4  # the cursor's line: indented, empty
+    + """
 
 print(fibonacci(10))
 """
+)
 CURSOR_LINE = 11  # 1-based: the indented empty line in fibonacci
 TYPED = "return fib"
 
@@ -97,7 +101,8 @@ def open_nvim(tmp_path, editor_env, server_cmd):
         assert nvim.lua("return require('wd_lsp').backend_name()") == ghost_text
         nvim.command("edit fib.py")
         nvim.wait_for(
-            "local c = vim.lsp.get_clients({ bufnr = 0, name = 'wd_lsp' })[1]; return c and c.initialized",
+            "local c = vim.lsp.get_clients({ bufnr = 0, name = 'wd_lsp' })[1]; "
+            "return c and c.initialized",
             TIMEOUT,
             "the wd-lsp client to attach",
         )

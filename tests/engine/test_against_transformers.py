@@ -6,10 +6,11 @@ import sys
 import pytest
 import torch
 from checkpoints import load_reference
+from engine_runs import complete
 
-from engine.core.generate import complete
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
+from engine.model.options import ModelOptions
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -34,8 +35,8 @@ def _max_rel(ours, theirs):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batch_logits_match_transformers(checkpoint_factory, variant, moe_path):
     path = checkpoint_factory(**VARIANTS[variant])
-    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
-    model.moe_path = moe_path
+    model = load_model(path, options=ModelOptions(moe_path=moe_path))
+    tokenizer = Tokenizer.from_dir(path)
     reference = load_reference(path)
     rows = [tokenizer.encode(p) for p in PROMPTS]
     width = max(map(len, rows))
@@ -52,10 +53,10 @@ def test_batch_logits_match_transformers(checkpoint_factory, variant, moe_path):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_32_tokens_identical(checkpoint_factory, variant):
     path = checkpoint_factory(**VARIANTS[variant])
-    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
     # fp32 decode steps: token for token as transformers, whose arithmetic they share up to
     # rounding (int8 steps can flip a random model's near-ties; see test_lone_matrices).
-    model.lone_weights = "fp32"
+    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
+    tokenizer = Tokenizer.from_dir(path)
     reference = load_reference(path)
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt)
@@ -77,8 +78,8 @@ def test_greedy_32_tokens_identical(checkpoint_factory, variant):
 @pytest.mark.parametrize("form", ["int8", "fp32"])
 def test_cli_prints_only_the_completion(checkpoint_factory, form):
     path = checkpoint_factory()
-    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
-    model.lone_weights = form
+    model = load_model(path, options=ModelOptions(lone_weights=form))
+    tokenizer = Tokenizer.from_dir(path)
     ids = tokenizer.encode(PROMPTS[0])
     expected, _ = complete(model, tokenizer, ids, max_tokens=32)
     result = subprocess.run(

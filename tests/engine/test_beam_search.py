@@ -7,9 +7,11 @@ import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
 from checkpoints import lone_path_model
+from engine_runs import complete
 
-from engine.core.generate import complete
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.decoding.beam_search import BeamSearch, BeamTails
 from engine.ipc.protocol import CompletionParams
 from engine.kv.pool import KVPool, PagedBatch
@@ -23,7 +25,7 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-# -- the beams' lean forward -------------------------------------------------------------------------
+# -- the beams' lean forward -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
@@ -75,16 +77,15 @@ def test_forward_beams_matches_each_beam_computed_alone(variant, form):
 def test_forward_beams_declines_where_it_does_not_apply():
     model = lone_path_model("moe", "fp32")
     c = model.config
-    model.lone_decode = False
+    general = model.with_options(lone_decode=False)
     tails = BeamTails(c.num_layers)
-    assert model.forward_beams([1, 2], 4, model.new_cache(1, 8), tails) is None
-    model.lone_decode = True
+    assert general.forward_beams([1, 2], 4, general.new_cache(1, 8), tails) is None
     assert (
         model.forward_beams([1] * 10, 4, model.new_cache(1, 8), tails) is None
     )  # more rows than one forward takes
 
 
-# -- the search's rules, on hand-made logits --------------------------------------------------------
+# -- the search's rules, on hand-made logits -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -174,56 +175,55 @@ def test_width_must_fit_one_forward(shipped):
     assert CompletionParams.from_params({"prefix": "x", "beams": 4}).beams == 4
 
 
-# -- through generate and the engine ----------------------------------------------------------------
+# -- through the engine, one-shot and beside others ------------------------------------------------
 
-PREFIX = 'import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\ndef write_lines(path, lines):\n    with open(path, "w") as f:\n        '
+PREFIX = (
+    "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"
+    "        return [line.rstrip() for line in f]\n\n\n"
+    'def write_lines(path, lines):\n    with open(path, "w") as f:\n        '
+)
 SUFFIX = '\n\n\ndef main():\n    lines = read_lines("in.txt")\n    write_lines("out.txt", lines)\n'
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkeypatch):
-    model, tok = shipped
-    default, model.lone_weights = model.lone_weights, form
+    shipped_model, tok = shipped
+    model = shipped_model.with_options(lone_weights=form)
     rows = []  # the beams of every search step: proof that the search ran, not greedy
     lean = model.forward_beams
     monkeypatch.setattr(
         model, "forward_beams", lambda tokens, *a: (rows.append(len(tokens)), lean(tokens, *a))[1]
     )
-    try:
-        prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
-        forced = healed_text(tok, PREFIX)
-        greedy, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced)
-        text, stats = complete(
-            model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4
-        )
-        assert text.strip() and "\n" not in text
-        assert stats.finish_reason in ("stop", "eos")
-        assert max(rows) == 4
-        steps = len(rows)
-        engine = Engine(model, tok)
-        events = []
-        engine.submit(
-            Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append
-        )
-        engine.run_until_idle()
-        assert "".join(e.text for e in events if e.kind == "delta") == text
-        done = events[-1]
-        assert done.kind == "done" and done.finish_reason == stats.finish_reason
-        assert done.usage["completion_tokens"] == stats.completion_tokens
-        assert len(rows) == 2 * steps  # the engine searched as generate did
-        # Only the prompt went into the prefix cache: the beams' own K/V were never in the pool.
-        shared, cached = engine.allocator.match_prefix_partial(
-            prompt + stats.token_ids, len(prompt) + 8
-        )
-        engine.allocator.release(shared)
-        assert cached == len(prompt)
-        # Beams of 1 are greedy.
-        one, _ = complete(
-            model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1
-        )
-        assert one == greedy
-    finally:
-        model.lone_weights = default
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    forced = healed_text(tok, PREFIX)
+    greedy, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced)
+    text, stats = complete(
+        model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=4
+    )
+    assert text.strip() and "\n" not in text
+    assert stats.finish_reason in ("stop", "eos")
+    assert max(rows) == 4
+    steps = len(rows)
+    engine = Engine(model, tok)
+    events = []
+    engine.submit(
+        Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=4), events.append
+    )
+    engine.run_until_idle()
+    assert "".join(e.text for e in events if e.kind == "delta") == text
+    done = events[-1]
+    assert done.kind == "done" and done.finish_reason == stats.finish_reason
+    assert done.usage["completion_tokens"] == stats.completion_tokens
+    assert len(rows) == 2 * steps  # the engine searched as generate did
+    # Only the prompt went into the prefix cache: the beams' own K/V were never in the pool.
+    shared, cached = engine.scheduler.allocator.match_prefix_partial(
+        prompt + stats.token_ids, len(prompt) + 8
+    )
+    engine.scheduler.allocator.release(shared)
+    assert cached == len(prompt)
+    # Beams of 1 are greedy.
+    one, _ = complete(model, tok, prompt, max_tokens=24, stop=["\n"], forced_text=forced, beams=1)
+    assert one == greedy
 
 
 def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
@@ -239,7 +239,7 @@ def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
     engine.cancel(rid)
     engine.run_until_idle()
     assert events[-1].kind == "done" and events[-1].finish_reason == "cancelled"
-    assert not engine.running and engine.allocator.stats().blocks_used == 0
+    assert not engine.scheduler.running and engine.scheduler.allocator.stats().blocks_used == 0
     # The engine goes on: the next request is served.
     engine.submit(Request(prompt, max_tokens=4, beams=4, stop=("\n",)), events.append)
     engine.run_until_idle()
@@ -261,7 +261,7 @@ def test_a_deadline_during_the_search_ends_with_the_likeliest_line_so_far(shippe
     assert "".join(
         e.text for e in events if e.kind == "delta"
     )  # what the search had, as greedy would
-    assert engine.allocator.stats().blocks_used == 0
+    assert engine.scheduler.allocator.stats().blocks_used == 0
 
 
 def test_beams_fit_one_lean_forward():
@@ -277,7 +277,7 @@ def test_a_plain_cache_gives_the_prompt_run_and_refuses_a_gap():
     model.forward(torch.tensor([[3, 1, 4]]), torch.arange(3)[None], cache)
     assert cache.lone_rows(3, 0)[1] == [(0, 3)]  # a beam search's shared prompt
     slots, runs = cache.lone_rows(3, 2)  # two new rows
-    assert slots.tolist() == [3, 4] and runs == [(0, 5)] and cache.capacity >= 5
+    assert slots == [3, 4] and runs == [(0, 5)] and cache.capacity >= 5
     assert cache.lone_rows(7, 0) is None  # positions 5 and 6 were never written
 
 
@@ -320,7 +320,7 @@ def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
         "--max-tokens",
         "24",
     ]
-    if model.lone_weights == "fp32":
+    if model.options.lone_weights == "fp32":
         args += ["--cpu-decode-weights", "fp32"]
     result = subprocess.run(args + ["--beams", "4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -336,7 +336,7 @@ def test_an_fp8_kv_pool_decodes_greedily_instead(shipped):
     forced = healed_text(tok, PREFIX)
     texts = []
     for beams in (1, 4):
-        engine = Engine(model, tok, kv_fp8=True)
+        engine = Engine(model, tok, EngineOptions(kv_fp8=True))
         events = []
         engine.submit(
             Request(prompt, max_tokens=24, stop=("\n",), forced_text=forced, beams=beams),

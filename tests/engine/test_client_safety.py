@@ -1,12 +1,15 @@
 """The engine client's safety and bounds, without an engine: what it refuses to talk to (a socket
 path that is not this user's socket, a peer of another user), how long it waits (hello, writes,
-cancel, the spawn lock), and where it logs (0600 files in a 0700 directory, never through a link)."""
+cancel, the spawn lock), and where it logs (0600 files in a 0700 directory, never through a
+link)."""
 
 import asyncio
 import fcntl
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -423,3 +426,21 @@ def test_a_spawned_engine_logs_to_a_private_file(run_dir, monkeypatch):
     finally:
         os.close(fd)
     assert mode(C.spawn_lock_path(run_dir / "engine.sock")) == 0o600
+
+
+def test_the_ipc_package_imports_neither_torch_nor_the_rest_of_the_engine():
+    """Clients (the language server) load engine.ipc alone: no torch, and nothing of the engine
+    outside the package."""
+    ipc = Path(__file__).resolve().parents[2] / "engine" / "ipc"
+    modules = sorted(f"engine.ipc.{f.stem}" for f in ipc.glob("*.py") if f.stem != "__init__")
+    assert {"engine.ipc.client", "engine.ipc.protocol", "engine.ipc.socket_path"} <= set(modules)
+    code = (
+        "import sys\n"
+        f"for m in {modules!r}:\n"
+        "    __import__(m)\n"
+        "outside = [m for m in sys.modules if m.startswith('engine.')\n"
+        "           and not m.startswith('engine.ipc')]\n"
+        "heavy = [m for m in ('torch', 'numpy', 'triton') if m in sys.modules]\n"
+        "assert not outside and not heavy, (outside, heavy)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import complete
 
-from engine.core.generate import complete
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.kv.pool import PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
@@ -50,7 +52,7 @@ class GreedyOnDevice:
 
     def run(self, tokens, positions, tables):
         model = self.engine.model
-        view = PagedBatch(self.engine.pool, tables, model.device)
+        view = PagedBatch(self.engine.runner.pool, tables, model.device)
         logits = model.forward(
             torch.tensor([[t] for t in tokens]), torch.tensor([[p] for p in positions]), view
         )
@@ -58,11 +60,10 @@ class GreedyOnDevice:
 
 
 def _engine_text(model, tok, ids, max_tokens, device_greedy: int | None = None):
-    engine = Engine(
-        model, tok, num_blocks=32, block_size=8, cuda_graphs=False
-    )  # graphs would bypass Biased
+    # graphs would bypass Biased
+    engine = Engine(model, tok, EngineOptions(num_blocks=32, block_size=8, cuda_graphs=False))
     if device_greedy is not None:
-        engine.graphs = GreedyOnDevice(engine, device_greedy)
+        engine.runner.graphs = GreedyOnDevice(engine, device_greedy)
     events = []
     engine.submit(Request(ids, max_tokens=max_tokens), events.append)
     engine.run_until_idle()

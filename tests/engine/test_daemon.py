@@ -1,4 +1,5 @@
-"""The engine daemon as real processes: spawning, sharing, streaming, crashes, bad input, security."""
+"""The engine daemon as real processes: spawning, sharing, streaming, crashes, bad input and
+security."""
 
 import asyncio
 import os
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from engine.ipc import protocol as P
 from engine.ipc.client import EngineClient, EngineError, EngineUnavailable, SpawnConfig
+from engine.ipc.protocol import ErrorCode
 
 FIM = {"prefix": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n"}
 
@@ -125,7 +127,7 @@ async def test_bad_parameters_get_errors_and_the_connection_lives(daemon_env):
     ):
         with pytest.raises(EngineError) as err:
             await collect(client, params)
-        assert err.value.code == P.BAD_REQUEST
+        assert err.value.code == ErrorCode.BAD_REQUEST
     with pytest.raises(EngineError, match="unknown method"):
         await client.request("explode")
     assert (await client.request("health"))["ok"]
@@ -218,7 +220,7 @@ async def test_tcp_needs_the_token_and_binds_loopback(daemon_env, monkeypatch):
         with pytest.raises((EngineError, EngineUnavailable)) as err:
             await intruder.request("health")
         if isinstance(err.value, EngineError):
-            assert err.value.code == P.UNAUTHORIZED
+            assert err.value.code == ErrorCode.UNAUTHORIZED
         await intruder.close()
     friend = EngineClient(tcp=("127.0.0.1", port), token="s3cret-token")
     assert (await friend.request("health"))["ok"]
@@ -246,7 +248,8 @@ async def test_sigterm_drains_and_idle_timeout_exits(daemon_env):
     info = await connect(daemon_env, client)
     stream = await client.complete(dict(FIM, max_tokens=30, temperature=1.0, seed=2))
     os.kill(info["pid"], signal.SIGTERM)
-    text = "".join([d async for d in stream])  # the running request finishes
+    async for _ in stream:  # the running request finishes
+        pass
     assert stream.result["finish_reason"] in ("length", "eos", "stop")
     await client.close()
     _wait_gone(info["pid"])
@@ -293,13 +296,13 @@ async def test_cancel_with_a_bad_id_is_an_error_not_a_closed_connection(daemon_e
     await connect(daemon_env, client)
     with pytest.raises(EngineError) as err:
         await client.request("cancel", {"id": [1, 2]})
-    assert err.value.code == P.BAD_REQUEST
+    assert err.value.code == ErrorCode.BAD_REQUEST
     assert (await client.request("health"))["ok"]
     await client.close()
 
 
 def test_a_draining_daemon_leaves_its_successors_socket_alone(tmp_path):
-    from engine.serve.daemon import remove_own_socket
+    from engine.ipc.socket_path import remove_own_socket
 
     path = tmp_path / "engine.sock"
     old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -25,18 +25,19 @@ import pytest
 
 from engine.ipc import protocol as P
 from engine.ipc.client import EngineClient, EngineError
+from engine.ipc.protocol import ErrorCode
 from engine.models import default_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 FIM = {"prefix": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n"}
 
 # Fairness bound: with a flooder and a never-reading client busy, another client's 8-token
-# completion must finish within this many seconds (unloaded it takes ~0.1-0.3 s; with them
-# busy, ~1-2 s on a 2-core machine: every decode step then carries their 32 streams). Before
-# the limits it waited behind the flood's thousands of requests: minutes.
+# completion must finish within this many seconds. Generous, for a loaded CI machine where every
+# decode step also carries their 32 streams; without the limits it waited behind the flood's
+# thousands of requests (BENCHMARKS.md, "Daemon under hostile clients").
 FAIR_BOUND_S = 20.0
-# Memory bound: an 8 MB prompt may move the daemon's RSS by this much at most (tokenized whole,
-# one took ~1.2 GB).
+# Memory bound: an 8 MB prompt may move the daemon's RSS by this much at most, a fraction of what
+# tokenizing it whole would hold.
 RSS_BOUND_MB = 300
 
 LAUNCH = """
@@ -44,7 +45,7 @@ import asyncio, json, sys
 from pathlib import Path
 from engine.loading.loader import load_model
 from engine.models import default_model_dir
-from engine.core.scheduler import Engine
+from engine.core.engine import Engine
 from engine.serve.daemon import EngineServer, ServeOptions
 from engine.loading.tokenizer import Tokenizer
 options = json.loads(sys.argv[1])
@@ -193,7 +194,9 @@ class Flooder(threading.Thread):
                     continue
                 code = message["error"]["code"] if "error" in message else "done"
                 self.codes[code] = self.codes.get(code, 0) + 1
-                if code != P.TOO_MANY_REQUESTS:  # one ended: more than the cap allows, again
+                if (
+                    code != ErrorCode.TOO_MANY_REQUESTS
+                ):  # one ended: more than the cap allows, again
                     self.peer.send(*self._requests(20))
         except OSError:
             pass  # closed by the test
@@ -235,16 +238,16 @@ async def test_a_flood_and_a_reader_that_never_reads_do_not_starve_another_clien
             assert result["finish_reason"] in ("length", "eos", "stop")
             loaded.append(seconds)
         stats = await victim.request("stats")
+        busy = ", ".join(f"{s:.2f}" for s in loaded)
         print(
-            f"\nvictim's 8-token completion: unloaded median {statistics.median(unloaded):.3f} s; with the "
-            f"flooder and the never-reader busy {', '.join(f'{s:.2f}' for s in loaded)} s (bound "
-            f"{FAIR_BOUND_S} s); flooder's final frames {flooder.codes}; engine running "
-            f"{stats['running']}, waiting {stats['waiting']}"
+            f"\nvictim's 8-token completion: unloaded median {statistics.median(unloaded):.3f} s; "
+            f"with the flooder and the never-reader busy {busy} s (bound {FAIR_BOUND_S} s); "
+            f"flooder's final frames {flooder.codes}; engine running {stats['running']}, "
+            f"waiting {stats['waiting']}"
         )
         assert max(loaded) < FAIR_BOUND_S
-        assert (
-            flooder.codes.get(P.TOO_MANY_REQUESTS, 0) >= 3000 - cap
-        )  # the excess, refused at once
+        # The excess, refused at once.
+        assert flooder.codes.get(ErrorCode.TOO_MANY_REQUESTS, 0) >= 3000 - cap
         assert stats["too_many_requests"] >= 3000 - cap
     finally:
         for peer in peers:
@@ -295,10 +298,13 @@ def embedded():
 
 
 def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedded):
-    from engine.core.scheduler import Engine, Request
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
+    from engine.core.request import Request
 
     model, tok = embedded
-    engine = Engine(model, tok, num_blocks=256, block_size=16, max_batch=2, speculative=False)
+    options = EngineOptions(num_blocks=256, block_size=16, max_batch=2, speculative=False)
+    engine = Engine(model, tok, options)
     done: dict[str, object] = {}
 
     def on_event(event):
@@ -315,12 +321,13 @@ def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedd
         Request(prompt + [7], max_tokens=6, stop_at_eos=False, owner="other", id="other"), on_event
     )
     engine.step()
-    flood_blocks = sum(len(a.table.blocks) for a in engine.running if a.request.owner == "flood")
+    running = engine.scheduler.running
+    flood_blocks = sum(len(a.table.blocks) for a in running if a.request.owner == "flood")
     # With another owner there, a quarter of the pool, however many it queues (alone it may take
     # more: tests/engine/test_scheduler.py).
-    assert flood_blocks <= engine.owner_block_limit == 64
+    assert flood_blocks <= engine.scheduler.owner_block_limit == 64
     assert (
-        sum(a.request.owner == "flood" for a in engine.running) > engine.max_batch
+        sum(a.request.owner == "flood" for a in running) > engine.options.max_batch
     )  # it fills the batch
     steps = 1
     while "other" not in done and steps < 50:
@@ -329,18 +336,24 @@ def test_one_owner_queue_neither_fills_the_batch_nor_the_pool_for_another(embedd
     # Admitted at once, prefilled next, then in every decode step although the batch is full.
     assert done["other"].kind == "done" and steps <= 2 + 6
     assert not any(key.startswith("f") for key in done)  # the flood's requests are all still going
-    for a in list(engine.running) + list(engine.waiting):
+    for a in engine.scheduler.running + engine.scheduler.waiting:
         engine.cancel(a.request.id)
     engine.run_until_idle()
 
 
 def test_engine_errors_carry_protocol_codes(embedded):
-    from engine.core.scheduler import Engine, Request
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
+    from engine.core.request import Request
 
     model, tok = embedded
-    engine = Engine(model, tok, num_blocks=4, block_size=16)
+    engine = Engine(model, tok, EngineOptions(num_blocks=4, block_size=16))
     context = model.config.max_position_embeddings
-    cases = {P.BAD_REQUEST: [], P.CONTEXT_EXCEEDED: [5] * context, P.POOL_FULL: [5] * 100}
+    cases = {
+        ErrorCode.BAD_REQUEST: [],
+        ErrorCode.CONTEXT_EXCEEDED: [5] * context,
+        ErrorCode.POOL_FULL: [5] * 100,
+    }
     events = {}
     for code, ids in cases.items():
         engine.submit(
@@ -354,22 +367,81 @@ def test_engine_errors_carry_protocol_codes(embedded):
 def test_an_exception_that_happens_to_have_a_code_is_an_engine_error(embedded, monkeypatch):
     """Only the engine's own refusals carry their code: any other exception's `.code` (an
     OSError subclass's, a library's) is no protocol code."""
-    from engine.core.scheduler import Engine, Request
+    from engine.core.engine import Engine
+    from engine.core.options import EngineOptions
+    from engine.core.request import Request
 
     class Odd(RuntimeError):
-        code = P.BAD_REQUEST
+        code = ErrorCode.BAD_REQUEST
 
     model, tok = embedded
-    engine = Engine(model, tok, num_blocks=4, block_size=16)
+    engine = Engine(model, tok, EngineOptions(num_blocks=4, block_size=16))
 
     def fail(*args, **kwargs):
         raise Odd("not a refusal")
 
-    monkeypatch.setattr(engine, "_try_admit", fail)
+    monkeypatch.setattr(engine.scheduler, "_try_admit", fail)
     events = []
     engine.submit(Request([5, 6, 7], max_tokens=4), events.append)
     engine.run_until_idle()
-    assert events[-1].kind == "error" and events[-1].code == P.ENGINE_ERROR
+    assert events[-1].kind == "error" and events[-1].code == ErrorCode.ENGINE_ERROR
+
+
+def test_a_refusal_before_the_engine_is_answered_by_its_type_never_its_message():
+    """The daemon's error frame for a request refused while it was prepared: a typed refusal's
+    own code, BAD_REQUEST for malformed input, ENGINE_ERROR for anything else, whatever the
+    message says or whatever `.code` another exception happens to have."""
+    from engine.core.request import ContextExceeded, EmptyPrompt, PoolFull, RequestRefused
+    from engine.serve.daemon import refusal
+
+    class Odd(RuntimeError):
+        code = ErrorCode.BAD_REQUEST
+
+    cases = [
+        (EmptyPrompt("the context is exceeded"), ErrorCode.BAD_REQUEST),
+        (ContextExceeded("a bad request"), ErrorCode.CONTEXT_EXCEEDED),
+        (PoolFull("the prompt is empty"), ErrorCode.POOL_FULL),
+        (RequestRefused("pool full", ErrorCode.SHUTTING_DOWN), ErrorCode.SHUTTING_DOWN),
+        (ValueError("pool_full: the context is exceeded"), ErrorCode.BAD_REQUEST),
+        (TypeError("unhashable"), ErrorCode.BAD_REQUEST),
+        (Odd("context_exceeded"), ErrorCode.ENGINE_ERROR),
+        (KeyError("bad_request"), ErrorCode.ENGINE_ERROR),
+    ]
+    for exc, code in cases:
+        got, message = refusal(exc)
+        assert got == code and str(exc) in message, (exc, got)
+
+
+async def test_the_service_checks_a_prompt_against_the_context_once_per_contract(embedded):
+    """The daemon's contract: a budget past the context ends the completion at its end. The
+    OpenAI contract (`whole_budget`): the prompt and all of max_tokens must fit. Both refuse an
+    empty prompt; token ids are checked by their length before their values."""
+    from engine.core.request import ContextExceeded, EmptyPrompt
+    from engine.serve.service import CompletionService, Prompt
+
+    model, tok = embedded
+    service = CompletionService(SimpleNamespace(tokenizer=tok, model=model), default_model_dir())
+    context = service.context_length
+    text = "x = 1\n"
+    ids = tok.encode_prompt(text)
+    room = context - len(ids)
+    p = P.CompletionParams.from_params({"prompt": text, "max_tokens": room + 1})
+    assert await service.prepare(p) == Prompt(ids, "")
+    with pytest.raises(ContextExceeded, match="maximum context length"):
+        await service.prepare(p, whole_budget=True)
+    p.max_tokens = room
+    assert await service.prepare(p, whole_budget=True) == Prompt(ids, "")
+    with pytest.raises(EmptyPrompt):
+        await service.prepare(P.CompletionParams.from_params({"prompt": ""}))
+    with pytest.raises(ContextExceeded, match="maximum context length"):
+        await service.prepare(P.CompletionParams.from_params({"prompt": text * context}))
+    assert service.prepare_ids([5, 6], room) == Prompt([5, 6])
+    with pytest.raises(ContextExceeded):
+        service.prepare_ids([tok.vocab_size] * context, 1)  # too long, whatever its ids
+    with pytest.raises(ValueError, match="token ids"):
+        service.prepare_ids([5, tok.vocab_size], 1)
+    with pytest.raises(EmptyPrompt):
+        service.prepare_ids([], 1)
 
 
 # -- huge prompts ------------------------------------------------------------------------------
@@ -387,9 +459,11 @@ async def test_an_8_mb_prompt_is_refused_by_its_size_and_memory_stays_put(shared
     print(
         f"\n3 x 8 MB prompts refused in {seconds:.2f} s; daemon RSS {before:.0f} -> {after:.0f} MB"
     )
-    assert seconds < 20  # by size alone: tokenizing one took ~9 s
+    assert seconds < 20  # by size alone, far sooner than tokenizing one would take
     for outcome in outcomes:
-        assert isinstance(outcome, EngineError) and outcome.code == P.CONTEXT_EXCEEDED, outcome
+        assert isinstance(outcome, EngineError) and outcome.code == ErrorCode.CONTEXT_EXCEEDED, (
+            outcome
+        )
         assert "context length" in outcome.message
     assert after - before < RSS_BOUND_MB
     await client.close()
@@ -411,10 +485,12 @@ async def test_fim_with_8_mb_prefixes_completes_cut_without_memory_or_delay_for_
     *outcomes, (victim_s, victim_result) = await asyncio.gather(*big, small)
     after = shared.rss_mb()
     print(
-        f"\n3 x FIM with a {len(prefix) / 1e6:.1f} MB prefix: {max(s for s, _ in outcomes):.2f} s, prompts "
+        f"\n3 x FIM with a {len(prefix) / 1e6:.1f} MB prefix: "
+        f"{max(s for s, _ in outcomes):.2f} s, prompts "
         f"{[r['usage']['prompt_tokens'] for _, r in outcomes]} tokens; another client's completion "
-        f"meanwhile {victim_s:.2f} s, its first token {victim_result['usage']['first_token_ms']:.0f} ms "
-        f"after it was queued; daemon RSS {before:.0f} -> {after:.0f} MB"
+        f"meanwhile {victim_s:.2f} s, its first token "
+        f"{victim_result['usage']['first_token_ms']:.0f} ms after it was queued; "
+        f"daemon RSS {before:.0f} -> {after:.0f} MB"
     )
     for _, result in outcomes:
         assert result["finish_reason"] in ("length", "eos", "stop")
@@ -451,7 +527,7 @@ async def test_top_p_that_is_zero_in_float32_and_max_tokens_near_the_context_get
     info = (await client.connect())["model"]
     with pytest.raises(EngineError) as err:
         await timed_completion(client, dict(FIM, max_tokens=4, temperature=1.0, top_p=1e-50))
-    assert err.value.code == P.BAD_REQUEST and "top_p" in err.value.message
+    assert err.value.code == ErrorCode.BAD_REQUEST and "top_p" in err.value.message
     _, result = await timed_completion(
         client, dict(FIM, max_tokens=4, temperature=1.0, top_p=1e-45, seed=1)
     )
@@ -465,10 +541,10 @@ async def test_top_p_that_is_zero_in_float32_and_max_tokens_near_the_context_get
     assert 0 < most < info["max_context"]
     with pytest.raises(EngineError) as err:
         await timed_completion(client, dict(FIM, max_tokens=info["max_context"] - 4))
-    assert err.value.code == P.CONTEXT_EXCEEDED and f"at most {most}" in err.value.message
+    assert err.value.code == ErrorCode.CONTEXT_EXCEEDED and f"at most {most}" in err.value.message
     with pytest.raises(EngineError) as err:
         await client.warm(dict(FIM, max_tokens=most + 1))
-    assert err.value.code == P.CONTEXT_EXCEEDED
+    assert err.value.code == ErrorCode.CONTEXT_EXCEEDED
     long_prefix = "".join(f"v{i} = {i}\n" for i in range(2000))
     warmed = await client.warm(
         dict(FIM, prefix=long_prefix, max_tokens=most)
@@ -486,7 +562,7 @@ async def test_the_per_connection_cap_refuses_at_once_and_frees_as_requests_end(
     while len(codes) < cap + 5:
         message = peer.read()
         codes.append(message["error"]["code"] if "error" in message else "ok")
-    assert codes.count(P.TOO_MANY_REQUESTS) >= 5 and codes.count("ok") <= cap
+    assert codes.count(ErrorCode.TOO_MANY_REQUESTS) >= 5 and codes.count("ok") <= cap
     peer.send(frame(100, "warm", FIM))  # all ended: room again
     assert "result" in peer.read()
     peer.close()
@@ -500,7 +576,7 @@ def test_a_silent_connection_is_closed_and_does_not_keep_the_daemon_alive(tmp_pa
         peer = RawPeer(daemon.socket, greet=False)
         message = peer.read()
         closed_after = time.monotonic() - t0
-        assert message is not None and message["error"]["code"] == P.BAD_REQUEST
+        assert message is not None and message["error"]["code"] == ErrorCode.BAD_REQUEST
         assert "no hello" in message["error"]["message"]
         assert peer.read() is None and closed_after < 10
         # A silent connection open at every moment: the daemon still leaves when idle.
@@ -535,7 +611,7 @@ def test_a_frame_over_64_kb_before_hello_is_refused_by_its_header(shared):
     peer = RawPeer(shared.socket, greet=False)
     peer.send(padded[: P.HEADER.size])  # the header alone is enough to refuse it
     message = peer.read()
-    assert message["error"]["code"] == P.BAD_FRAME
+    assert message["error"]["code"] == ErrorCode.BAD_FRAME
     assert str(P.MAX_HELLO_FRAME_BYTES) in message["error"]["message"]
     assert peer.read() is None  # closed
     peer.close()
@@ -552,13 +628,11 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
     """A peer that leaves mid-build cancels the task awaiting the build, not the build: its slot
     is given back only when the build's thread is done, so no more than `prompt_builders`
     prompts are ever tokenized at once, however many peers come and go."""
-    from engine.serve.daemon import EngineServer, ServeOptions
+    from engine.serve.service import CompletionService
 
     _, tok = embedded
-    server = EngineServer(
-        SimpleNamespace(tokenizer=tok),
-        default_model_dir(),
-        ServeOptions(socket_path=Path("unused.sock"), prompt_builders=2),
+    service = CompletionService(
+        SimpleNamespace(tokenizer=tok), default_model_dir(), prompt_builders=2
     )
     lock, release = threading.Lock(), threading.Event()
     started: list[int] = []
@@ -574,8 +648,8 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
             state["now"] -= 1
         return [i], ""
 
-    server._build_prompt = slow_build
-    tasks = [asyncio.ensure_future(server.build_prompt(i)) for i in range(5)]
+    service._build_prompt = slow_build
+    tasks = [asyncio.ensure_future(service.build_prompt(i)) for i in range(5)]
     cancelled: set[int] = set()
     deadline = time.monotonic() + 2  # a build let through would start within milliseconds
     while time.monotonic() < deadline:
@@ -584,7 +658,8 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
             cancelled.add(i)
         await asyncio.sleep(0.01)
     print(
-        f"\nbuilds started while their peers left: {sorted(started)}; at most {state['most']} at once"
+        f"\nbuilds started while their peers left: {sorted(started)}; "
+        f"at most {state['most']} at once"
     )
     assert state["most"] <= 2 and len(started) == 2
     release.set()
@@ -596,7 +671,7 @@ async def test_a_cancelled_build_keeps_its_builder_slot_until_its_thread_ends(em
         ([i], "") for i in range(5) if i not in cancelled
     ]
     assert state["most"] <= 2
-    assert await asyncio.wait_for(server.build_prompt(9), 10) == ([9], "")  # every slot came back
+    assert await asyncio.wait_for(service.build_prompt(9), 10) == ([9], "")  # every slot came back
 
 
 # -- the socket's path ---------------------------------------------------------------------------
@@ -626,9 +701,41 @@ def test_the_daemon_refuses_a_regular_file_at_its_socket_path_and_exits_non_zero
     assert planted.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("occupant", ["regular file", "listening engine"])
+def test_serve_checks_its_socket_path_before_it_loads_a_model(tmp_path, occupant):
+    """A path in the way, or an engine already listening there, is refused before any model is
+    loaded: here the model folder does not even exist, and the error names the socket."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    path = run / "engine.sock"
+    listener = None
+    if occupant == "regular file":
+        path.write_text("keep me")
+    else:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(1)
+    env = dict(os.environ, WD_ENGINE_DIR=str(run), XDG_STATE_HOME=str(tmp_path / "state"))
+    command = [sys.executable, "-m", "engine.cli", "serve", "--socket", str(path)]
+    command += ["--log-file", str(tmp_path / "log"), "--model", str(tmp_path / "no-model")]
+    try:
+        process = subprocess.run(
+            command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=60
+        )
+    finally:
+        if listener is not None:
+            listener.close()
+    stderr = process.stderr.decode()
+    assert process.returncode == 1, stderr
+    expected = "exists and is a regular file" if listener is None else "already listening"
+    assert expected in stderr and str(path) in stderr and "cannot load" not in stderr
+    if listener is None:
+        assert path.read_text() == "keep me"
+
+
 @pytest.mark.parametrize("kind", ["file", "directory", "link", "dangling link"])
 def test_nothing_but_a_stale_socket_is_replaced_at_the_socket_path(tmp_path, monkeypatch, kind):
-    from engine.serve.daemon import UnsafeSocketPath, bind_socket
+    from engine.ipc.socket_path import UnsafeSocketPath, bind_socket
 
     monkeypatch.setenv("WD_ENGINE_DIR", str(tmp_path / "run"))
     target = tmp_path / "precious.txt"
@@ -656,7 +763,7 @@ def test_nothing_but_a_stale_socket_is_replaced_at_the_socket_path(tmp_path, mon
 
 
 def test_a_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path, monkeypatch):
-    from engine.serve.daemon import bind_socket
+    from engine.ipc.socket_path import SocketInUse, bind_socket
 
     monkeypatch.setenv("WD_ENGINE_DIR", str(tmp_path / "run"))
     path = tmp_path / "engine.sock"
@@ -665,7 +772,7 @@ def test_a_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path, monkeypatch)
     stale.close()  # the file stays, nobody listens: what a crash leaves
     listener, identity = bind_socket(path)
     assert oct(path.lstat().st_mode & 0o777) == oct(0o600)  # from the umask: no chmod
-    with pytest.raises(RuntimeError, match="already listening"):
+    with pytest.raises(SocketInUse, match="already listening"):
         bind_socket(path)
     assert _listening(path) and (path.lstat().st_dev, path.lstat().st_ino) == identity
     listener.close()
@@ -675,11 +782,16 @@ def test_a_bound_socket_listens_at_once_so_another_engine_never_takes_it_for_sta
     """Between bind() and listen() a connect is refused, which another engine starting takes
     for a crashed one's leftover: it would unlink the socket, and the first engine, recording
     the path's identity later, would then own (and at its end delete) the newcomer's."""
-    from engine.serve.daemon import bind_socket, prepare_socket_path, remove_own_socket
+    from engine.ipc.socket_path import (
+        SocketInUse,
+        bind_socket,
+        prepare_socket_path,
+        remove_own_socket,
+    )
 
     path = tmp_path / "engine.sock"
     listener, identity = bind_socket(path)
-    with pytest.raises(RuntimeError, match="already listening"):
+    with pytest.raises(SocketInUse, match="already listening"):
         prepare_socket_path(path)  # what a second `serve` does first
     info = path.lstat()
     assert (info.st_dev, info.st_ino) == identity

@@ -7,7 +7,9 @@ captures, so the graph-free and graph-captured step can only differ by the captu
 import pytest
 import torch
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
@@ -144,9 +146,11 @@ def test_engine_with_step_generates_what_the_plain_engine_does(tiny):
     prompt = tok.encode("def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self")
 
     def generate(use_step):
-        engine = Engine(model, tok, num_blocks=64, block_size=BLOCK)
+        engine = Engine(model, tok, EngineOptions(num_blocks=64, block_size=BLOCK))
         if use_step:
-            engine.graphs = DecodeGraphs(model, engine.pool, max_tokens=256, buckets=(1, 2, 4, 8))
+            engine.runner.graphs = DecodeGraphs(
+                model, engine.runner.pool, max_tokens=256, buckets=(1, 2, 4, 8)
+            )
         events = []
         engine.submit(Request(prompt[:-3], warm_only=True), events.append)
         engine.run_until_idle()

@@ -61,7 +61,8 @@ def test_ragged_grid_dequantizes_through_the_reader(tmp_path):
 
 
 def test_fp8_tensor_read_without_a_block_size_is_named(tmp_path):
-    """An fp8 weight with its scale, in a folder whose config.json has no fp8 quantization_config."""
+    """An fp8 weight with its scale, in a folder whose config.json has no fp8
+    quantization_config."""
     q, s = quantize(_weights((64, 64)), 32)
     norm = torch.ones(48)
     reader = _reader(tmp_path, {NAME: q, NAME + SCALE_SUFFIX: s, OTHER: norm}, fp8_block=None)
@@ -178,7 +179,7 @@ def test_unsupported_quantization_is_named(quant):
     assert ModelConfig.from_dict({**cfg, "quantization_config": None}).hidden_size == 8
 
 
-# --- whole folders through the loader --------------------------------------------------------------
+# --- whole folders through the loader -------------------------------------------------------
 
 
 def _fp8_folder(src, dst, block, drop_scale_of=None):

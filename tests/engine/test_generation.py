@@ -1,11 +1,22 @@
-"""Streaming, stopping and sampling."""
+"""Streaming, stopping and sampling, through the engine as `wd-engine generate` runs it."""
 
 import pytest
 import torch
+from engine_runs import complete
 
-from engine.core.generate import PromptTooLong, complete, generate
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import (
+    BadRequest,
+    ContextExceeded,
+    EmptyPrompt,
+    Request,
+    RequestFailed,
+    check_request,
+)
 from engine.decoding.sampling import sample
 from engine.decoding.stops import StopMatcher
+from engine.ipc.protocol import MAX_BEAMS, ErrorCode
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from engine.prompts.fim import FimUnsupported, build_fim_prompt
@@ -52,12 +63,17 @@ def test_stop_strings_and_max_tokens(tiny):
 
 def test_streamed_deltas_concatenate_to_the_text(tiny):
     model, tokenizer = tiny
-    stream = generate(
-        model, tokenizer, tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3
+    request = Request(
+        tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3, stop_at_eos=False
     )
-    deltas = list(stream)
-    assert "".join(deltas) == stream.text
-    assert stream.stats.first_token_s > 0 and stream.stats.prefill_s > 0
+    engine = Engine(
+        model, tokenizer, EngineOptions.one_shot(request, model.config.max_position_embeddings)
+    )
+    deltas = []
+    done = engine.complete(request, lambda e: deltas.append(e.text) if e.kind == "delta" else None)
+    assert deltas and "".join(deltas) == done.text
+    assert done.usage["first_token_ms"] > 0 and done.usage["prefill_ms"] > 0
+    assert len(done.token_ids) == done.completion_tokens == 16
 
 
 def test_seeded_sampling_is_reproducible(tiny):
@@ -95,9 +111,22 @@ def test_fim_without_tokens_is_a_clear_error():
         build_fim_prompt(Tokenizer(backend), "a", "a")
 
 
-def test_prompt_too_long_and_empty(tiny):
+def test_prompt_too_long_empty_or_too_many_beams_are_refused_by_code(tiny):
     model, tokenizer = tiny
-    with pytest.raises(PromptTooLong):
-        generate(model, tokenizer, [5] * model.config.max_position_embeddings)
-    with pytest.raises(ValueError):
-        generate(model, tokenizer, [])
+    context = model.config.max_position_embeddings
+    cases = [
+        ([5] * context, {}, ErrorCode.CONTEXT_EXCEEDED, ContextExceeded),
+        ([], {}, ErrorCode.BAD_REQUEST, EmptyPrompt),
+        ([5], {"beams": MAX_BEAMS + 1}, ErrorCode.BAD_REQUEST, BadRequest),
+    ]
+    for ids, args, code, refusal in cases:
+        _, done = complete(model, tokenizer, ids, **args)
+        assert done.code == code and done.finish_reason is None
+        with pytest.raises(RequestFailed) as failed:
+            done.check()
+        assert failed.value.code == code
+        with pytest.raises(refusal):
+            check_request(Request(ids, **args), context)
+    # With room for one new token the prompt runs, and ends at the context ("length").
+    text, done = complete(model, tokenizer, [5] * (context - 1), max_tokens=8)
+    assert done.check().finish_reason in ("length", "eos") and done.completion_tokens <= 1

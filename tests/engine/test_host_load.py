@@ -1,11 +1,11 @@
-"""The host-load estimate (engine.model.host_load) on fake /proc/stat contents and clocks, and the rule
-that runs a long CPU forward on one thread while other processes keep a core busy."""
+"""The host-load estimate (engine.model.host_load) on fake /proc/stat contents and clocks, and the
+rule (engine.model.cpu_threads) that runs a long CPU forward on one thread while other processes
+keep a core busy."""
 
 import pytest
 import torch
 
-from engine.model import host_load
-from engine.model import qwen3_moe as model_module
+from engine.model import cpu_threads, host_load
 from engine.model.host_load import HostLoad, busy_ticks
 from engine.model.random_model import TINY, random_model
 
@@ -128,15 +128,15 @@ def test_this_host_proc_stat_parses_where_it_exists():
     assert busy > 0 and cpus >= 1
 
 
-# -- the rule in engine.model.qwen3_moe ----------------------------------------------------------------------
+# -- the rule in engine.model.cpu_threads ---------------------------------------------------------
 
-LONG = model_module.CPU_ONE_THREAD_MAX_TOKENS + 8
+LONG = cpu_threads.CPU_ONE_THREAD_MAX_TOKENS + 8
 
 
 def _threads_in_forward(monkeypatch, load, n_tokens):
     """torch's intra-op threads inside a forward of n_tokens under the given host_load answer,
     and the logits."""
-    monkeypatch.setattr(model_module, "_THREADS_ADJUSTABLE", True)
+    monkeypatch.setattr(cpu_threads, "THREADS_ADJUSTABLE", True)
     monkeypatch.setattr(host_load, "others_busy_cores", lambda: load)
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=21)
     seen = []

@@ -1,12 +1,16 @@
 """The CPU's lone decode path (one sequence, one token, fp32) against the general path and the
 reference ops it replaces, on fresh random inputs."""
 
+import dataclasses
+
 import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
 from checkpoints import lone_path_model
 
 from engine.kv.pool import KVPool, PagedBatch
+from engine.model.lone_matrices import int8_available
+from engine.model.options import ModelOptions
 from engine.model.random_model import TINY, random_model
 from kernels import reference as ref
 
@@ -61,22 +65,23 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
     pick otherwise."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
+    models = (model, model.with_options(lone_decode=False))
+    assert models[0].lone_path_applies() and not models[1].lone_path_applies()
     caches, tokens, diffs = [cache_for(), cache_for()], [[], []], []
     for cache in caches:
         model.forward(ids, torch.arange(prompt)[None], cache())
     nxt = [int(ids[0, -1])] * 2
+    form = model.options.lone_weights
     for pos in range(prompt, prompt + steps):
         logits = []
-        for i, lone in enumerate((True, False)):
-            model.lone_decode = lone
+        for i, path in enumerate(models):
             logits.append(
-                model.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1]
+                path.forward(torch.tensor([[nxt[i]]]), torch.tensor([[pos]]), caches[i]())[0, -1]
             )
             tokens[i].append(int(logits[i].argmax()))
-        nxt = [tokens[1][-1] if model.lone_weights == "int8" else tokens[0][-1], tokens[1][-1]]
+        nxt = [tokens[1][-1] if form == "int8" else tokens[0][-1], tokens[1][-1]]
         diffs.append(_rel(logits[0], logits[1]))
-    model.lone_decode = True
-    return (max(diffs) if model.lone_weights == "fp32" else sorted(diffs)[len(diffs) // 2]), tokens
+    return (max(diffs) if form == "fp32" else sorted(diffs)[len(diffs) // 2]), tokens
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
@@ -99,8 +104,12 @@ def test_lone_decode_matches_general_path_paged(variant, form):
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_lone_decode_matches_general_path_contiguous(form):
-    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=5)
-    model.lone_weights = form
+    model = random_model(
+        dict(TINY, vocab_size=512),
+        dtype=torch.float32,
+        seed=5,
+        options=ModelOptions(lone_weights=form),
+    )
 
     def contiguous():
         cache = model.new_cache(1, capacity=8)  # grows (doubling) during the test
@@ -116,12 +125,13 @@ def test_lone_path_is_skipped_where_it_does_not_apply():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=6)
     c = model.config
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
-    assert PagedBatch(pool, [[0, 1]], "cpu").lone_slots(3) is None  # fp8 storage
+    assert PagedBatch(pool, [[0, 1]], "cpu").lone_rows(3, 1) is None  # fp8 storage
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    assert PagedBatch(pool, [[0], [1]], "cpu").lone_slots(3) is None  # two rows
+    assert PagedBatch(pool, [[0], [1]], "cpu").lone_rows(3, 1) is None  # two rows
     cache = model.new_cache(1)
     cache.used = 5
-    assert cache.lone_slots(2) is None  # rewriting an earlier position: keys past it exist
+    assert cache.lone_rows(7, 1) is None  # positions 5 and 6 were never written
+    assert model.new_cache(2).lone_rows(0, 1) is None  # two rows
     assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16).lone_path_applies()
 
 
@@ -135,16 +145,17 @@ def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
 
 
 def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkeypatch):
+    from engine.model import cpu_threads
     from engine.model import qwen3_moe as model_module
 
     monkeypatch.setattr(model_module, "CPU_SMALL_MODEL_MAX_BYTES", 1000)
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=8)
     assert not model.small_on_cpu and not model.lone_path_applies()
     model.prepare_lone_decode()
-    assert model._lone is None  # no second copy of a big model's weights
+    assert model.lean is None  # no second copy of a big model's weights
     threads_seen = []
     monkeypatch.setattr(
-        model_module, "_intra_op_threads", lambda *_: threads_seen.append(1)
+        cpu_threads, "intra_op_threads", lambda *_: threads_seen.append(1)
     )  # must not be entered
     cache = model.new_cache(1)
     model.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], cache)
@@ -155,17 +166,37 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
 def test_path_switches_turn_the_lone_path_off():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=9)
     assert model.lone_path_applies()
-    model.moe_path = "expert_centric"
-    assert not model.lone_path_applies()
-    model.moe_path = "auto"
-    model.moe_fn = ref.moe_output_centric
-    assert not model.lone_path_applies()
+    assert not model.with_options(moe_path="expert_centric").lone_path_applies()
+    assert not model.with_options(moe_fn=ref.moe_output_centric).lone_path_applies()
+    assert not model.with_options(lone_decode=False).lone_path_applies()
+    assert model.with_options(moe_path="auto").lone_path_applies()
+
+
+def test_options_are_fixed_and_another_model_shares_the_weights():
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=10)
+    fp32 = model.with_options(lone_weights="fp32")
+    assert fp32.options.lone_weights == "fp32" and fp32.options.moe_path == "auto"
+    assert fp32.embed is model.embed and fp32.layers is model.layers
+    assert fp32.lm_head is model.lm_head and fp32.final_norm is model.final_norm
+    general = model.with_options(lone_decode=False)
+    assert general.lean is None and model.lean is not None
+    # The same form: the lean forward's weight copies are shared too; another form builds its own.
+    assert model.with_options(moe_path="auto").lean is model.lean
+    if int8_available():
+        assert model.with_options(lone_weights="int8").lean is not fp32.lean
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.options.moe_path = "expert_centric"
+    with pytest.raises(ValueError, match="moe_path"):
+        model.with_options(moe_path="fastest")
+    with pytest.raises(ValueError, match="lone_weights"):
+        model.with_options(lone_weights="int4")
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
     """One sequence's prefill with last_only takes the lean path's lm_head (faster in the one-row
-    case): fp32 gives the general path's logits up to rounding; int8 gives its best logit exactly."""
+    case): fp32 gives the general path's logits up to rounding; int8 gives its best logit
+    exactly."""
     model = lone_path_model("dense_and_untied", form)
     ids = torch.randint(
         0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21)
@@ -185,3 +216,26 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
         ids.expand(2, -1), torch.arange(11)[None].expand(2, -1), model.new_cache(2), last_only=True
     )
     torch.testing.assert_close(both[0, -1], full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_one_beam_decodes_as_the_lone_step_does(steps):
+    """A beam search's forward of a single beam (computed as one row) against plain decode steps
+    of the same tokens: the beam's own keys in its tails, the steps' in the cache."""
+    from engine.decoding.beam_search import BeamTails
+
+    model = lone_path_model("moe", "fp32")
+    c = model.config
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(0, c.vocab_size, (1, 6), generator=g)
+    tokens = torch.randint(0, c.vocab_size, (steps,), generator=g).tolist()
+    beam_cache, step_cache = model.new_cache(1, 16), model.new_cache(1, 16)
+    for cache in (beam_cache, step_cache):
+        model.forward(prompt, torch.arange(6)[None], cache)
+    tails = BeamTails(c.num_layers)
+    for i, token in enumerate(tokens):
+        beam = model.forward_beams([token], 6 + i, beam_cache, tails)
+        step = model.forward(torch.tensor([[token]]), torch.tensor([[6 + i]]), step_cache)[0]
+        assert beam.shape == step.shape == (1, c.vocab_size)
+        assert _rel(beam, step) < TOLERANCE["fp32"]
+    assert tails.length == steps

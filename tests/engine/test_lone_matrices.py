@@ -1,4 +1,4 @@
-"""The lean CPU decode path's weight forms (engine/model/lone_matrices.py) against plain fp32 products,
+"""The lean CPU forward's weight forms (engine/model/lone_matrices.py) against plain fp32 products,
 on fresh random inputs, and the int8 form's exact best logits."""
 
 import pytest
@@ -13,6 +13,7 @@ from engine.model.lone_matrices import (
     int8_available,
     matrix,
 )
+from engine.model.options import ModelOptions
 from engine.model.random_model import TINY, random_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch lacks _weight_int8pack_mm")
@@ -52,8 +53,9 @@ def test_an_all_zero_row_stays_zero_with_a_normal_scale():
     w[5] = 0
     m = Int8Matrix(w)
     assert not m.q[5].any() and m.scale[5] > 0
-    x = torch.randn(64)
-    assert m.mv(x)[5] == 0 and torch.isfinite(m.mv(x)).all()
+    for rows in (1, 3):
+        y = m.mm(torch.randn(rows, 64))
+        assert not y[:, 5].any() and torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
@@ -71,8 +73,8 @@ def test_int8_products_match_the_dequantized_weights(rows):
     torch.testing.assert_close(m.mm(x.to(torch.bfloat16)), got, rtol=0, atol=0)  # bf16 in: the same
     torch.testing.assert_close(m.addmm(add, x), add + want, **tol)
     assert m.addmm(add, x).dtype == torch.float32
-    torch.testing.assert_close(m.mv(x[0]).float(), want[0], **tol)
-    torch.testing.assert_close(m.addmv(add[0], x[0], alpha=0.5), add[0] + 0.5 * want[0], **tol)
+    torch.testing.assert_close(m.addmm(add, x, alpha=0.5), add + 0.5 * want, **tol)
+    torch.testing.assert_close(m.addmm(add[0], x, alpha=0.5), add[0] + 0.5 * want, **tol)
     # Against the fp32 weights themselves: the int8 step and bf16 rounding, a few per cent at most.
     exact = x @ w.t()
     assert ((got.float() - exact).abs().max() / exact.abs().max()) < 0.03
@@ -88,12 +90,16 @@ def test_fp32_products_are_the_plain_ones():
     g = torch.Generator().manual_seed(8)
     x, add = torch.randn(5, 64, generator=g), torch.randn(5, 96, generator=g)
     want = x @ (w * norm).t()
-    torch.testing.assert_close(m.mm(x), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(m.addmm(add, x), add + want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(m.mv(x[0]), want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        m.addmv(add[0], x[0], alpha=2.0), add[0] + 2 * want[0], rtol=1e-5, atol=1e-5
-    )
+    close = dict(rtol=1e-5, atol=1e-5)
+    # Five rows take the matrix product, one row the matrix-vector one: the same values.
+    for rows in (slice(None), slice(0, 1)):
+        torch.testing.assert_close(m.mm(x[rows]), want[rows], **close)
+        torch.testing.assert_close(m.addmm(add[rows], x[rows]), add[rows] + want[rows], **close)
+        torch.testing.assert_close(
+            m.addmm(add[rows], x[rows], alpha=2.0), add[rows] + 2 * want[rows], **close
+        )
+    torch.testing.assert_close(m.addmm(add[0], x[:1], alpha=2.0), add[:1] + 2 * want[:1], **close)
+    assert m.mm(x[:1]).shape == (1, 96)
     assert m.nbytes == 96 * 64 * 4
 
 
@@ -108,16 +114,19 @@ def test_forms_are_named():
 def test_int8_logits_are_exact_where_greedy_looks():
     """The lm_head's int8 logits near a row's best are computed again in fp32: the best logit and
     its neighbours within the margin equal fp32's, so greedy picks what fp32 picks."""
-    from engine.model.qwen3_moe import LONE_EXACT_MARGIN
+    from engine.model.lean_cpu import LONE_EXACT_MARGIN
 
-    model = random_model(dict(TINY, vocab_size=2048), dtype=torch.float32, seed=11)
-    model.lone_weights = "int8"
-    model.prepare_lone_decode()
+    model = random_model(
+        dict(TINY, vocab_size=2048),
+        dtype=torch.float32,
+        seed=11,
+        options=ModelOptions(lone_weights="int8"),
+    )
     g = torch.Generator().manual_seed(12)
     h = torch.randn(6, model.config.hidden_size, generator=g) * 3
-    got = model._lone_logits(h.clone())
+    got = model.lean.logits(h.clone())
     exact = (h * model.final_norm) @ model.lm_head.t()
-    approx = model._lone_lm_head.mm(h).float()
+    approx = matrix("int8", model.lm_head, model.final_norm).mm(h).float()
     assert got.shape == exact.shape == (6, 2048)
     near = approx >= approx.amax(-1, keepdim=True) - LONE_EXACT_MARGIN
     torch.testing.assert_close(got[near], exact[near], rtol=1e-5, atol=1e-5)
@@ -126,18 +135,18 @@ def test_int8_logits_are_exact_where_greedy_looks():
     assert (approx != exact).any()  # int8 rounding is there to be corrected
 
 
-def test_switching_forms_rebuilds_the_weights():
-    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=13)
-    cache = model.new_cache(1)
-    model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
+def test_each_form_computes_with_its_own_weights():
+    base = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=13)
+    cache = base.new_cache(1)
+    base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
     logits = {}
     for form in ("int8", "fp32", "int8"):
-        model.lone_weights = form
+        model = base.with_options(lone_weights=form)
         cache.used = 3
         logits.setdefault(form, []).append(
             model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
         )
-        assert isinstance(model._lone[0].w_qkv, Int8Matrix if form == "int8" else Fp32Matrix)
+        assert isinstance(model.lean.layers[0].w_qkv, Int8Matrix if form == "int8" else Fp32Matrix)
     torch.testing.assert_close(logits["int8"][0], logits["int8"][1], rtol=0, atol=0)
     assert not torch.equal(logits["int8"][0], logits["fp32"][0])
 
@@ -147,7 +156,8 @@ def test_int8_is_the_default_only_where_it_was_measured(monkeypatch):
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert default_form() == "int8"
-    assert random_model(dict(TINY, vocab_size=512), dtype=torch.float32).lone_weights == "int8"
+    model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32)
+    assert model.options.lone_weights == "int8"
     for machine in ("arm64", "aarch64"):
-        monkeypatch.setattr(platform, "machine", lambda: machine)
+        monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
         assert default_form() == "fp32"

@@ -120,7 +120,7 @@ def test_long_lines_are_cut_one_by_one_within_a_step(checkpoint_factory):
     assert len(ids) == 300
 
 
-# -- long lines, huge prefixes, tokenizers without a size bound --------------------------------------
+# -- long lines, huge prefixes, tokenizers without a size bound ------------------------------------
 def _embedded_tokenizer():
     from engine.models import default_model_dir
 

@@ -5,25 +5,32 @@ import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
 from checkpoints import lone_path_model
+from engine_runs import small_engine
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.decoding.prompt_lookup import draft, writable_prefix
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
+from engine.model.options import ModelOptions
 from engine.model.random_model import TINY, random_model
 from engine.models import default_model_dir
 from engine.prompts.fim import build_fim_prompt
 
 REPETITIVE = "self.x = x\nself.y = y\nself.z = z\n" * 6 + "self.x = x\nself."
-CODE = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n    return "
+CODE = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return "
+)
 
 
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-# -- the lean forward of a few rows ------------------------------------------------------------------
+# -- the lean forward of a few rows ----------------------------------------------------------------
 
 
 def _row_diffs(lean, general):
@@ -81,15 +88,14 @@ def test_forward_tail_declines_where_it_does_not_apply():
     )  # two sequences
     fp8 = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
     assert model.forward_tail([1, 2], 0, PagedBatch(fp8, [[0]], "cpu")) is None
-    model.lone_decode = False
-    assert model.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
+    general = model.with_options(lone_decode=False)
+    assert general.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_forward_tail_on_the_shipped_model(form):
     d = default_model_dir()
-    model, tok = load_model(d), Tokenizer.from_dir(d)
-    model.lone_weights = form
+    model, tok = load_model(d, options=ModelOptions(lone_weights=form)), Tokenizer.from_dir(d)
     c = model.config
     ids = tok.encode(CODE)
     table = [3, 0, 7, 1, 2]
@@ -114,7 +120,7 @@ def test_forward_tail_on_the_shipped_model(form):
     assert torch.equal(lean.argmax(-1), general.argmax(-1))
 
 
-# -- drafts -----------------------------------------------------------------------------------------
+# -- drafts ----------------------------------------------------------------------------------------
 
 
 def test_draft_copies_what_followed_the_most_recent_match():
@@ -140,7 +146,7 @@ def test_a_draft_stops_where_decoding_could_not_follow():
     assert writable_prefix([7, 8], never, ending) == [7, 8]
 
 
-# -- the engine: speculation on against off -----------------------------------------------------------
+# -- the engine: speculation on against off --------------------------------------------------------
 
 
 # These compare texts token for token, so the lean path runs in fp32. With int8 weights a verify
@@ -149,16 +155,14 @@ def test_a_draft_stops_where_decoding_could_not_follow():
 @pytest.fixture(scope="module")
 def tiny(checkpoint_factory):
     path = checkpoint_factory()
-    model = load_model(path)
-    model.lone_weights = "fp32"
+    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
     return model, Tokenizer.from_dir(path)
 
 
 @pytest.fixture(scope="module")
 def shipped():
     d = default_model_dir()
-    model = load_model(d)
-    model.lone_weights = "fp32"
+    model = load_model(d, options=ModelOptions(lone_weights="fp32"))
     return model, Tokenizer.from_dir(d)
 
 
@@ -189,9 +193,7 @@ def both(model, tok, request_args, **engine_args):
     the speculative engine's stats."""
     out = []
     for speculative in (False, True):
-        engine = Engine(
-            model, tok, num_blocks=64, block_size=8, speculative=speculative, **engine_args
-        )
+        engine = small_engine(model, tok, speculative=speculative, **engine_args)
         out.append(generated_tokens(engine, Request(**request_args)))
     return out[0], out[1], engine.stats()
 
@@ -248,7 +250,8 @@ def test_stop_strings_inside_an_accepted_draft(shipped):
     model, tok = shipped
     prompt = tok.encode(REPETITIVE)
     full, _ = run(
-        Engine(model, tok, speculative=False), Request(prompt, max_tokens=30, stop_at_eos=False)
+        Engine(model, tok, EngineOptions(speculative=False)),
+        Request(prompt, max_tokens=30, stop_at_eos=False),
     )
     assert len(full) > 30
     stops = {full[i : i + 3] for i in range(1, 30, 2)} | {"= ", "\n", full[-2:]}
@@ -264,7 +267,8 @@ def test_eos_inside_a_draft(shipped, monkeypatch):
     model, tok = shipped
     prompt = tok.encode(REPETITIVE)
     _, _, (tokens, _) = generated_tokens(
-        Engine(model, tok, speculative=False), Request(prompt, max_tokens=20, stop_at_eos=False)
+        Engine(model, tok, EngineOptions(speculative=False)),
+        Request(prompt, max_tokens=20, stop_at_eos=False),
     )
     output, eos_ids = tokens[len(prompt) :], tuple(tok.eos_ids)
     for k in (3, 6, 9, 12):
@@ -285,17 +289,17 @@ def test_healing_then_speculation(shipped):
     assert_same(plain, spec)
 
 
-def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped, monkeypatch):
+def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
     model, tok = shipped
     # The cached K/V are checked against a fresh prefill's to fp32 rounding: the lean path in fp32.
-    monkeypatch.setattr(model, "lone_weights", "fp32")
+    assert model.options.lone_weights == "fp32"
     prompt = tok.encode(REPETITIVE)
     cold, _ = run(
-        Engine(model, tok, speculative=False, prefix_cache=False),
+        Engine(model, tok, EngineOptions(speculative=False, prefix_cache=False)),
         Request(prompt, max_tokens=30, stop_at_eos=False),
     )
 
-    engine = Engine(model, tok, num_blocks=64, block_size=8, speculative=True)
+    engine = small_engine(model, tok, speculative=True)
     run(engine, Request(prompt[:-3], warm_only=True))  # a partly filled last block
     text, done, (tokens, computed) = generated_tokens(
         engine, Request(prompt, max_tokens=30, stop_at_eos=False)
@@ -313,7 +317,8 @@ def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped, monkeypatch)
         prompt
     )
     _, fresh = run(
-        Engine(model, tok, prefix_cache=False), Request(follow, max_tokens=1, return_logits=True)
+        Engine(model, tok, EngineOptions(prefix_cache=False)),
+        Request(follow, max_tokens=1, return_logits=True),
     )
     assert _rel(hit.logits, fresh.logits) < 1e-5
 
@@ -324,7 +329,7 @@ def test_an_spm_prompt_never_drafts_its_control_tokens(shipped):
     model, tok = shipped
     prompt = build_fim_prompt(tok, "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n", "spm")
     drafted = []
-    engine = Engine(model, tok, speculative=True)
+    engine = Engine(model, tok, EngineOptions(speculative=True))
     verify = model.forward_tail
     try:
         model.forward_tail = lambda rows, *a: (drafted.append(rows[1:]), verify(rows, *a))[1]
@@ -332,7 +337,8 @@ def test_an_spm_prompt_never_drafts_its_control_tokens(shipped):
     finally:
         del model.forward_tail
     plain = generated_tokens(
-        Engine(model, tok, speculative=False), Request(prompt, max_tokens=24, stop_at_eos=False)
+        Engine(model, tok, EngineOptions(speculative=False)),
+        Request(prompt, max_tokens=24, stop_at_eos=False),
     )
     assert_same(plain, spec)
     assert drafted and not any(set(d) & set(tok.unsampled_ids) for d in drafted)

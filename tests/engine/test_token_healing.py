@@ -5,17 +5,21 @@ import random
 
 import pytest
 import torch
+from engine_runs import complete, small_engine
 
-from engine.core.generate import complete
 from engine.core.output import OutputAssembler
-from engine.core.scheduler import Engine, Request
+from engine.core.request import Request
 from engine.decoding.token_healing import Forcing, token_healer
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
+from engine.model.options import ModelOptions
 from engine.models import default_model_dir
 from engine.prompts.fim import build_fim_prompt, healed_text
 
-STACK = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        "
+STACK = (
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        "
+)
 STACK_SUFFIX = "\n\n    def pop(self):\n        return self.items.pop()\n"
 
 
@@ -132,11 +136,11 @@ def test_mid_word_completion_continues_the_word(shipped):
 
 def test_engine_and_single_generation_heal_alike(checkpoint_factory):
     path = checkpoint_factory()
-    model, tok = load_model(path), Tokenizer.from_dir(path)
     # The batch decodes on the general path, a lone generation on the lean one: in fp32 they
     # differ in rounding alone (int8 lean steps can flip a random model's near-ties).
-    model.lone_weights = "fp32"
-    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
+    tok = Tokenizer.from_dir(path)
+    engine = small_engine(model, tok)
     prefixes = ["def add(a, b):\n    ", "import o", "for i in range(", "x = [1, 2, 3]\nprint(x"]
     results = {}
     for i, prefix in enumerate(prefixes):  # batched, each with its own constraint
@@ -161,7 +165,7 @@ def test_engine_and_single_generation_heal_alike(checkpoint_factory):
 def test_forced_tokens_do_not_count_against_the_budget(checkpoint_factory):
     path = checkpoint_factory()
     model, tok = load_model(path), Tokenizer.from_dir(path)
-    engine = Engine(model, tok, num_blocks=64, block_size=8)
+    engine = small_engine(model, tok)
     for prefix in ("x = 1\n   \t  ", "print('caf"):  # several forced tokens; a mid-word cursor
         forced = healed_text(tok, prefix)
         assert forced

@@ -1,5 +1,6 @@
-"""Triton MoE kernels (warp decode and its variants, expert-centric fused MoE, router, dispatcher) against the
-torch references, through Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""Triton MoE kernels (warp decode and its variants, expert-centric fused MoE, router,
+dispatcher) against the torch references, through Triton's CPU interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1).
 
 The interpreter truncates fp32 -> bf16 instead of rounding, so outputs are compared with a
 bf16-sized tolerance, never bit for bit. Every check draws fresh random inputs and poisons the

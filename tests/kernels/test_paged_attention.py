@@ -1,4 +1,5 @@
-"""Triton paged decode attention against the torch reference (through Triton's interpreter on CPU)."""
+"""Triton paged decode attention against the torch reference, through Triton's interpreter on
+the CPU."""
 
 import pytest
 import torch

@@ -101,7 +101,10 @@ def test_prefix_trimmed_at_line_start_within_budget():
 def test_prefix_cut_uses_a_real_tokenizer_count():
     text = _long_python(100) + "x = "
     doc = Document("file:///big.py", text, "python")
-    words = lambda s: len(s.split())  # a crude but different tokenizer
+
+    def words(s):  # a crude but different tokenizer
+        return len(s.split())
+
     ctx = build_context(
         doc, doc.position_at(len(text)), budget=Budget(prefix_tokens=120), count_tokens=words
     )
@@ -185,7 +188,7 @@ def test_region_cached_definitions_follow_edits():
     for i, line in enumerate([10, 150, 151, 20, 290]):
         lo, hi = max(0, line - 20), line + 20
         pos = Position(line, 0)
-        doc.apply_change("def new_%d():\n    pass\n" % i, pos, pos)
+        doc.apply_change(f"def new_{i}():\n    pass\n", pos, pos)
         full = [d for d in definitions(doc) if d.end_line < lo or d.start_line > hi]
         from wd_lsp.symbols import definitions_outside, imports, imports_around
 

@@ -154,7 +154,10 @@ def edit_sequences(draw):
     return edits
 
 
-SEED = "def f(x):\n    return x + 1  # 😀\n\nclass A:\n    y = '中文'\n    def g(self):\n        pass\n"
+SEED = (
+    "def f(x):\n    return x + 1  # 😀\n\n"
+    "class A:\n    y = '中文'\n    def g(self):\n        pass\n"
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -71,7 +71,7 @@ async def main(requests: int, starts: int) -> None:
     )
     lines = text.split("\n")
     spots = [i for i, line in enumerate(lines) if line.strip()][10 : 10 + requests]
-    for i, line in enumerate(spots):
+    for line in spots:
         await client.text_document_inline_completion_async(
             T.InlineCompletionParams(
                 text_document=T.TextDocumentIdentifier(uri=uri),

@@ -370,7 +370,8 @@ async def test_pygls_keeps_no_copy_and_leaves_the_params_alone(in_process):
 
 # ---- end to end with the engine ---------------------------------------------------------------
 
-PY = """import os
+PY = (
+    """import os
 
 
 def count_lines(path):
@@ -383,8 +384,10 @@ class Counter:
         self.total = 0
 
     def add(self, n):
-        
 """
+    + " " * 8  # the cursor's line: indented, empty
+    + "\n"
+)
 CAPS = dict(
     text_document=T.TextDocumentClientCapabilities(
         inline_completion=T.InlineCompletionClientCapabilities(),

@@ -43,7 +43,10 @@ GUARD_S = (
 # What a completion from a stuck engine may take, with room for the LSP round trip on a loaded
 # machine: still far below the 10 s default timeout.
 BOUND_S = GUARD_S + 3.0
-PY = "import os\n\n\ndef list_files(root):\n    return sorted(os.listdir(root))\n\n\ndef main():\n    "
+PY = (
+    "import os\n\n\ndef list_files(root):\n    return sorted(os.listdir(root))\n\n\n"
+    "def main():\n    "
+)
 DOC_NUMBERS = itertools.count()
 CAPS = T.ClientCapabilities(
     text_document=T.TextDocumentClientCapabilities(

@@ -13,7 +13,8 @@ from pytest_lsp import ClientServerConfig
 from engine.ipc.client import EngineClient
 from engine.models import default_model_dir
 
-PY = '''import os
+PY = (
+    '''import os
 
 
 def list_python_files(root):
@@ -35,8 +36,10 @@ class Counter:
         self.total = 0
 
     def add(self, n):
-        
 '''
+    + " " * 8  # the cursor's line: indented, empty
+    + "\n"
+)
 URI = "file:///project/tools.py"
 CAPS = T.ClientCapabilities(
     text_document=T.TextDocumentClientCapabilities(
@@ -121,7 +124,8 @@ async def status(client):
 
 
 async def wait_until_ready(client, limit_s=120.0):
-    """Completions wait for a loading model only up to the request timeout: start once it has loaded."""
+    """Completions wait for a loading model only up to the request timeout: start once it has
+    loaded."""
     deadline = asyncio.get_running_loop().time() + limit_s
     while (await status(client))["engine"] != "ready":
         assert asyncio.get_running_loop().time() < deadline, "the engine did not become ready"

@@ -94,7 +94,8 @@ def start_engine(model_dir: Path, tmp: Path, *extra: str) -> HttpEngine:
     while True:
         if process.poll() is not None:
             raise RuntimeError(
-                f"wd-engine serve exited with {process.returncode}: {process.stderr.read().decode()}"
+                f"wd-engine serve exited with {process.returncode}: "
+                f"{process.stderr.read().decode()}"
             )
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:

@@ -11,7 +11,10 @@ import pytest
 
 from engine.ipc.client import EngineClient
 
-CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+)
 
 
 @pytest.fixture

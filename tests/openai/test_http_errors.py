@@ -4,16 +4,18 @@ demand (a KV pool too small for a request can't be provoked with a tiny real mod
 from __future__ import annotations
 
 import dataclasses
-import time
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from engine.core.scheduler import Event
-from engine.ipc import protocol as P
+from engine.core.request import ContextExceeded, Event, RequestRefused
+from engine.ipc.protocol import ErrorCode
 from engine.serve.openai_http import HttpOptions, OpenAIFrontend
+from engine.serve.service import CompletionService
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,24 +37,16 @@ class StubEngine:
 
 
 def make_stub(token: str = TOKEN, **transport):
+    """The real service and endpoint over the stub engine; the tests replace the service's
+    `_build_prompt` (the tokenizing part) to fail as they need."""
     engine = StubEngine()
-    server = SimpleNamespace(
-        engine=engine,
-        draining=False,
-        model_dir=Path("/models/stub-model"),
-        last_client_seen=time.monotonic(),
-        _build_prompt=lambda p: ([1, 2, 3], ""),
-    )
-
-    async def build_prompt(p):  # as EngineServer.build_prompt: the tests replace _build_prompt
-        return server._build_prompt(p)
-
-    server.build_prompt = build_prompt
-    frontend = OpenAIFrontend(server, HttpOptions(token=token))
+    service = CompletionService(engine, Path("/models/stub-model"))
+    service._build_prompt = lambda p: ([1, 2, 3], "")
+    frontend = OpenAIFrontend(service, HttpOptions(token=token))
     client = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=frontend.app, **transport), base_url="http://test"
     )
-    return SimpleNamespace(engine=engine, server=server, frontend=frontend, client=client)
+    return SimpleNamespace(engine=engine, service=service, frontend=frontend, client=client)
 
 
 @pytest.fixture
@@ -69,23 +63,33 @@ async def post(stub, **body):
     "code, message, status, http_code",
     [
         (
-            P.POOL_FULL,
+            ErrorCode.POOL_FULL,
             "request needs 40 KV blocks (640 tokens) but the pool has 8",
             503,
             "pool_full",
         ),
-        (P.ENGINE_ERROR, "engine error: RuntimeError: CUDA out of memory", 503, "engine_error"),
         (
-            P.CONTEXT_EXCEEDED,
+            ErrorCode.ENGINE_ERROR,
+            "engine error: RuntimeError: CUDA out of memory",
+            503,
+            "engine_error",
+        ),
+        (
+            ErrorCode.CONTEXT_EXCEEDED,
             "prompt has 600 tokens; the model's context is 512",
             400,
             "context_length_exceeded",
         ),
-        (P.BAD_REQUEST, "empty prompt", 400, "bad_request"),
-        (P.TOO_MANY_REQUESTS, "this connection has 8 requests open", 429, "rate_limit_exceeded"),
-        (P.SHUTTING_DOWN, "the engine is shutting down", 503, "shutting_down"),
+        (ErrorCode.BAD_REQUEST, "empty prompt", 400, "bad_request"),
+        (
+            ErrorCode.TOO_MANY_REQUESTS,
+            "this connection has 8 requests open",
+            429,
+            "rate_limit_exceeded",
+        ),
+        (ErrorCode.SHUTTING_DOWN, "the engine is shutting down", 503, "shutting_down"),
         # The status comes from the code alone: words in a message change nothing.
-        (P.ENGINE_ERROR, "the context of the pool: empty prompt", 503, "engine_error"),
+        (ErrorCode.ENGINE_ERROR, "the context of the pool: empty prompt", 503, "engine_error"),
         (None, "prompt has 600 tokens; the model's context is 512", 503, "engine_error"),
         ("a_code_from_a_newer_engine", "something new", 503, "engine_error"),
     ],
@@ -106,11 +110,11 @@ async def test_engine_errors_map_to_status_codes_by_their_code(
     "error, status, http_code",
     [
         (
-            P.RequestError(P.CONTEXT_EXCEEDED, "the prompt is longer than the context"),
+            ContextExceeded("the prompt is longer than the context"),
             400,
             "context_length_exceeded",
         ),
-        (P.RequestError(P.BAD_REQUEST, "a path too long"), 400, "bad_request"),
+        (RequestRefused("a path too long", ErrorCode.BAD_REQUEST), 400, "bad_request"),
         (ValueError("no FIM tokens in this vocabulary"), 400, None),
     ],
 )
@@ -118,7 +122,7 @@ async def test_prompt_building_errors_map_by_their_code(stub, error, status, htt
     def refuse(p):
         raise error
 
-    stub.server._build_prompt = refuse
+    stub.service._build_prompt = refuse
     response = await post(stub)
     assert response.status_code == status and response.json()["error"]["code"] == http_code
     assert response.json()["error"]["message"] == str(error) and stub.frontend.inflight == 0
@@ -130,7 +134,7 @@ async def test_a_bug_is_a_500_in_openai_shape_without_a_traceback():
     def broken(p):
         raise RuntimeError("a bug with a secret path /home/someone")
 
-    stub.server._build_prompt = broken
+    stub.service._build_prompt = broken
     response = await post(stub)
     assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
     assert "Traceback" not in response.text and "/home/someone" not in response.text
@@ -170,7 +174,7 @@ async def test_an_error_after_streaming_began_comes_as_an_event(stub):
 
 
 async def test_draining_refuses_new_work(stub):
-    stub.server.draining = True
+    stub.service.draining = True
     response = await post(stub)
     assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
     assert (await stub.client.get("/health")).status_code == 503
@@ -197,3 +201,52 @@ async def test_done_maps_finish_reasons_and_usage(stub):
             "prompt_tokens_details": {"cached_tokens": 2},
         }
         assert body["model"] == "stub-model"
+
+
+async def test_the_prompt_and_max_tokens_must_fit_the_context(stub):
+    """OpenAI's contract, checked by the service the msgpack path shares: the prompt (3 tokens
+    here) and all of max_tokens fit the stub's 512-token context, or the request is a 400."""
+    stub.engine.script = [Event("", "done", finish_reason="length", usage={})]
+    assert (await post(stub, max_tokens=509)).status_code == 200
+    response = await post(stub, max_tokens=510)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (
+        error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
+    )
+    for ids, code in (([7] * 512, "context_length_exceeded"), ([], "bad_request")):
+        response = await post(stub, prompt=ids, max_tokens=1)
+        assert response.status_code == 400 and response.json()["error"]["code"] == code
+    response = await post(stub, prompt=[7, 100], max_tokens=1)  # the stub's vocabulary is 100
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert stub.frontend.inflight == 0
+
+
+def test_every_code_a_refusal_carries_has_an_http_answer():
+    from engine.serve.openai_http import ENGINE_ERRORS
+
+    refusals, unseen = [], [RequestRefused]
+    while unseen:  # the typed refusals, however deep their classes
+        refusals.append(unseen.pop())
+        unseen += refusals[-1].__subclasses__()
+    assert len(refusals) >= 4  # RequestRefused, EmptyPrompt, ContextExceeded, PoolFull at least
+    for refusal in refusals:
+        assert refusal.code in ENGINE_ERRORS, refusal
+    for code, error in ENGINE_ERRORS.items():
+        assert isinstance(code, ErrorCode) and 400 <= error.status < 600
+
+
+def test_the_two_fronts_import_the_service_and_not_each_other():
+    """The OpenAI endpoint never loads the daemon; the daemon loads starlette and uvicorn only
+    when it starts the HTTP listener."""
+    for front, absent in (
+        ("engine.serve.openai_http", ("engine.serve.daemon",)),
+        ("engine.serve.daemon", ("engine.serve.openai_http", "starlette", "uvicorn")),
+    ):
+        code = (
+            f"import sys, {front}\n"
+            "assert 'engine.serve.service' in sys.modules\n"
+            f"loaded = [m for m in sys.modules if m.startswith({absent!r})]\n"
+            "assert not loaded, loaded\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.serve.openai_http import HTTP_OWNER, MAX_BODY_BYTES, HttpOptions, OpenAIFrontend
+from engine.serve.service import CompletionService
 
 GOOD = {"prompt": "def add(a, b):\n    return", "max_tokens": 2, "temperature": 0}
 
@@ -112,7 +113,7 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-# -- authentication ---------------------------------------------------------------------------------
+# -- authentication --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "value",
     [
@@ -129,7 +130,7 @@ def test_a_non_ascii_bearer_token_is_401(http_engine, value):
     assert_openai_error(models, 401)
 
 
-# -- bodies that are not a usable JSON object -------------------------------------------------------
+# -- bodies that are not a usable JSON object ------------------------------------------------------
 @pytest.mark.parametrize("opening, closing", [("[", "]"), ('{"a":', "}")])
 def test_deeply_nested_json_is_400(http_engine, opening, closing):
     depth = 100_000
@@ -183,7 +184,7 @@ def test_a_client_that_leaves_inside_the_body_disturbs_nothing(http_engine):
     wait_for(lambda: http_inflight(http_engine) == 0)  # the disconnect is handled
 
 
-# -- fields of the wrong type or out of range -------------------------------------------------------
+# -- fields of the wrong type or out of range ------------------------------------------------------
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -223,7 +224,7 @@ def test_a_field_of_the_wrong_type_is_400(http_engine, field, value):
     "max_tokens", ["4097", "1000000", "100000000000000000000000000000", "1e999", "-1"]
 )
 def test_a_huge_or_negative_max_tokens_is_400(http_engine, max_tokens):
-    body = '{"prompt": "x = ", "max_tokens": %s}' % max_tokens  # 1e999 reads as infinity
+    body = f'{{"prompt": "x = ", "max_tokens": {max_tokens}}}'  # 1e999 reads as infinity
     assert_openai_error(post(http_engine, body.encode()), 400)
 
 
@@ -235,7 +236,7 @@ def test_a_token_id_prompt_longer_than_the_context_is_400(http_engine):
 
 
 def test_a_text_prompt_far_over_the_context_is_400(http_engine):
-    """Megabytes of text: refused by its size against the context (engine.serve.daemon measures it
+    """Megabytes of text: refused by its size against the context (engine.serve.service measures it
     before tokenizing), with OpenAI's code for it."""
     body = {"prompt": "x = 1\n" * 1_000_000, "max_tokens": 1}
     error = assert_openai_error(post_json(http_engine, body), 400)
@@ -280,7 +281,7 @@ def test_unknown_paths_and_methods_get_openai_errors(http_engine):
     )
 
 
-# -- lone surrogates ------------------------------------------------------------------------------
+# -- lone surrogates -------------------------------------------------------------------------------
 @pytest.mark.parametrize("field", ["prompt", "suffix", "stop"])
 def test_a_lone_surrogate_is_completed_as_a_replacement_character(http_engine, field):
     """JSON may escape half a UTF-16 pair ("\\ud800"); the text is completed as if each lone half
@@ -318,7 +319,7 @@ def test_a_lone_surrogate_in_a_streamed_request_is_completed(http_engine):
     assert lines[-1] == "data: [DONE]" and all("error" not in json.loads(x[6:]) for x in lines[:-1])
 
 
-# -- clients that go away ---------------------------------------------------------------------------
+# -- clients that go away --------------------------------------------------------------------------
 def test_a_streaming_client_that_resets_the_connection_cancels_its_request(http_engine):
     def stats() -> dict:
         return asyncio.run(http_engine.stats())
@@ -396,17 +397,9 @@ async def test_http_requests_share_one_owner_and_a_cap_on_those_in_flight():
     a connection), not one each; past `max_requests` in flight they get 429."""
     engine = HangingEngine()
 
-    async def build_prompt(p):
-        return [1, 2, 3], ""
-
-    server = SimpleNamespace(
-        engine=engine,
-        draining=False,
-        model_dir=Path("stub-model"),
-        last_client_seen=time.monotonic(),
-        build_prompt=build_prompt,
-    )
-    frontend = OpenAIFrontend(server, HttpOptions(token="t0ken", max_requests=3))
+    service = CompletionService(engine, Path("stub-model"))
+    service._build_prompt = lambda p: ([1, 2, 3], "")
+    frontend = OpenAIFrontend(service, HttpOptions(token="t0ken", max_requests=3))
     client = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=frontend.app), base_url="http://test"
     )

@@ -20,7 +20,10 @@ from wd_lsp.document import Document, Position
 from wd_lsp.openai_backend import FIM_PREFIX, OpenAIBackend, fim_template_prompt
 from wd_lsp.shape import StopRules
 
-PY = "import os\n\n\ndef add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        \n"
+PY = (
+    "import os\n\n\ndef add(a, b):\n    return a + b\n\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        \n"
+)
 CURSOR = (10, 8)  # after the indentation of the last line
 URI = "file:///project/point.py"
 NO_STOPS = StopRules(multiline=True, max_lines=1000)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from engine.core.generate import complete
+from engine_runs import complete
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -14,8 +13,9 @@ DECODE_STEPS = 4
 GREEDY_TOKENS = 12
 
 
-def run(model, tokenizer) -> dict:
-    """Logits of a ragged prefill and of batched decode steps for each MoE path; greedy tokens."""
+def run(model, tokenizer, shard=lambda model: model) -> dict:
+    """Logits of a ragged prefill and of batched decode steps for each MoE path; greedy tokens.
+    `shard` makes a model of each path an expert-parallel rank (the ranks' side)."""
     results = {}
     rows = [tokenizer.encode(p) for p in PROMPTS]
     lengths = torch.tensor([len(r) for r in rows])
@@ -23,19 +23,18 @@ def run(model, tokenizer) -> dict:
     tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     positions = torch.arange(width)[None].expand(len(rows), width)
     for path in ("auto", "expert_centric", "output_centric"):
-        model.moe_path = path
-        cache = model.new_cache(len(rows), capacity=width + DECODE_STEPS)
-        logits = model.forward(tokens, positions, cache)
+        path_model = shard(model.with_options(moe_path=path))
+        cache = path_model.new_cache(len(rows), capacity=width + DECODE_STEPS)
+        logits = path_model.forward(tokens, positions, cache)
         results[f"{path}/prefill"] = logits
         step = logits[torch.arange(len(rows)), lengths - 1].argmax(-1)
         pos = lengths.clone()
         for i in range(DECODE_STEPS):  # each row continues right after its own prompt
-            logits = model.forward(step[:, None], pos[:, None], cache)
+            logits = path_model.forward(step[:, None], pos[:, None], cache)
             results[f"{path}/decode{i}"] = logits
             step, pos = logits[:, -1].argmax(-1), pos + 1
-    model.moe_path = "auto"
+    auto = shard(model.with_options(moe_path="auto"))
     for i, row in enumerate(rows):
-        results[f"greedy{i}"] = complete(
-            model, tokenizer, row, max_tokens=GREEDY_TOKENS, stop_at_eos=False
-        )[1].token_ids
+        _, done = complete(auto, tokenizer, row, max_tokens=GREEDY_TOKENS, stop_at_eos=False)
+        results[f"greedy{i}"] = done.token_ids
     return results

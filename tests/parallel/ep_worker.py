@@ -1,4 +1,7 @@
-"""One rank of the expert-parallel test: `python ep_worker.py MODEL_DIR RANK WORLD STORE_FILE OUT_FILE`."""
+"""One rank of the expert-parallel test:
+
+python ep_worker.py MODEL_DIR RANK WORLD STORE_FILE OUT_FILE
+"""
 
 import sys
 
@@ -6,8 +9,10 @@ import ep_scenarios
 import torch
 import torch.distributed as dist
 
+from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
-from engine.model.expert_parallel import load_model_shard
+from engine.model import expert_parallel as parallel
+from engine.model.config import ModelConfig
 
 model_dir, rank, world, store, out = (
     sys.argv[1],
@@ -19,13 +24,11 @@ model_dir, rank, world, store, out = (
 # A file store: no port to pick, and no clash between tests run side by side.
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 try:
-    model = load_model_shard(model_dir, dtype=torch.float32)
-    torch.save(
-        {
-            "experts": model.layers[0].w_gate_up.shape[0],
-            **ep_scenarios.run(model, Tokenizer.from_dir(model_dir)),
-        },
-        out,
+    experts = parallel.rank_experts(ModelConfig.from_dir(model_dir).num_experts)
+    local = load_model(model_dir, dtype=torch.float32, experts=experts)
+    results = ep_scenarios.run(
+        local, Tokenizer.from_dir(model_dir), shard=lambda model: parallel.shard(model, experts)
     )
+    torch.save({"experts": local.layers[0].w_gate_up.shape[0], **results}, out)
 finally:
     dist.destroy_process_group()

@@ -9,16 +9,22 @@ from pathlib import Path
 import ep_scenarios
 import pytest
 import torch
+from engine_runs import complete
 
-from engine.core.generate import complete
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
 from engine.model import expert_parallel as parallel
+from engine.model.options import ModelOptions
 from kernels import reference as ref
 
 HERE = Path(__file__).parent
+# The single process computes as the ranks do: on the general path (the ranks' MoE is a
+# collective, so their lean CPU path never applies), not on the lean one, whose rounding may turn
+# a random model's near-tie the other way.
+GENERAL = ModelOptions(lone_decode=False)
 TIMEOUT_S = 120
-# Ranks and the single process sum the experts in a different order: rounding-level differences only.
+# Ranks and the single process sum the experts in a different order: rounding-level differences
+# only.
 MAX_REL = 1e-5
 
 
@@ -27,8 +33,10 @@ def _max_rel(ours, theirs):
 
 
 def _env():
-    # One thread per rank: the ranks share this machine's cores.
-    return dict(os.environ, OMP_NUM_THREADS="1")
+    # One thread per rank: the ranks share this machine's cores. The workers import the tests'
+    # shared modules (engine_runs) as pytest does.
+    paths = [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
 
 
 def _run_ranks(model_dir: Path, world: int, tmp_path: Path) -> list[dict]:
@@ -71,7 +79,7 @@ def _run_ranks(model_dir: Path, world: int, tmp_path: Path) -> list[dict]:
 def test_ranks_match_single_process(checkpoint_factory, tmp_path, world, variant):
     path = checkpoint_factory(**variant)
     ranks = _run_ranks(path, world, tmp_path)
-    expected = ep_scenarios.run(load_model(path), Tokenizer.from_dir(path))
+    expected = ep_scenarios.run(load_model(path, options=GENERAL), Tokenizer.from_dir(path))
     experts = load_model(path).config.num_experts
     assert [r.pop("experts") for r in ranks] == [
         len(parallel.expert_range(experts, r, world)) for r in range(world)
@@ -88,7 +96,7 @@ def test_ranks_match_single_process(checkpoint_factory, tmp_path, world, variant
 def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
     path = checkpoint_factory()
     prompt = ep_scenarios.PROMPTS[0]
-    model, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    model, tokenizer = load_model(path, options=GENERAL), Tokenizer.from_dir(path)
     expected, _ = complete(model, tokenizer, tokenizer.encode(prompt), max_tokens=16)
     result = subprocess.run(
         [
@@ -99,7 +107,8 @@ def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
             "--nproc-per-node",
             "2",
             "-m",
-            "engine.model.expert_parallel",
+            "engine.cli",
+            "parallel",
             "--model",
             str(path),
             "--prompt",
@@ -129,10 +138,9 @@ def test_bench_on_random_weights_runs_on_uneven_ranks():
             "--nproc-per-node",
             "3",
             "-m",
-            "engine.model.expert_parallel",
+            "engine.bench.expert_parallel",
             "--random-shape",
             "tiny",
-            "--bench",
             "--device",
             "cpu",
         ],

@@ -152,7 +152,10 @@ def test_partial_build_filters_against_official_heldout_and_leaves_it_alone(tmp_
     )
 
     assert [p.read_bytes() for p in records + [official]] == before
-    read = lambda name: [json.loads(l)["id"] for l in (out / name).read_text().splitlines()]
+
+    def read(name):
+        return [json.loads(l)["id"] for l in (out / name).read_text().splitlines()]
+
     assert read("train-gpu.jsonl") == ["pypi:pkg:pkg/plain.py", "pypi:pkg:pkg/short.py"]
     assert read("heldout-gpu.jsonl") == ["pypi:pkg:pkg/held.py"]
     assert json.loads((tmp_path / "m.json").read_text())["totals"]["near_heldout"] == 1
@@ -214,7 +217,11 @@ def test_a_bigger_file_holding_a_heldout_file_is_dropped_but_shared_boilerplate_
 
 
 def _wheel(
-    path: Path, name: str, licence: str, files: dict[str, str], extra: dict[str, bytes] = {}
+    path: Path,
+    name: str,
+    licence: str,
+    files: dict[str, str],
+    extra: dict[str, bytes] | None = None,
 ) -> Path:
     """A minimal wheel: the files, METADATA and a RECORD that lists them (what importlib reads)."""
     import zipfile
@@ -224,7 +231,7 @@ def _wheel(
     with zipfile.ZipFile(path, "w") as z:
         for rel, text in files.items():
             z.writestr(rel, text)
-        for rel, data in extra.items():
+        for rel, data in (extra or {}).items():
             z.writestr(rel, data)
         z.writestr(
             f"{info}/METADATA",

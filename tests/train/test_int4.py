@@ -1,6 +1,6 @@
-"""Group-scaled int4 weights (engine/loading/int4.py): the quantizer, compressed-tensors' pack-quantized
-layout, training through int4 rounding, the int4 export read by the engine, by the trainer's resume
-and by transformers."""
+"""Group-scaled int4 weights (engine/loading/int4.py): the quantizer, compressed-tensors'
+pack-quantized layout, training through int4 rounding, the int4 export read by the engine, by the
+trainer's resume and by transformers."""
 
 import json
 
@@ -45,7 +45,7 @@ def _reference_pack(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# --- quantize / pack -------------------------------------------------------------------------------
+# --- quantize / pack ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", [(24, 64), (7, 32)])

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--warm-up",
         action="store_true",
-        help="run a few unrelated completions on each engine before measuring (compiles GPU kernels)",
+        help="run a few unrelated completions on each engine before measuring "
+        "(compiles GPU kernels)",
     )
     soak = commands.add_parser("soak", help="many editors against one engine for a set time")
     _common(soak)

@@ -1,6 +1,7 @@
 """Cache modes (and MoE paths) side by side: one private daemon per arm, the same segments typed
 in each, the arms interleaved segment by segment so that a noisy neighbour on the machine hits all
-of them alike. Each segment comes from a different file, so within an arm no replay warms the next."""
+of them alike. Each segment comes from a different file, so within an arm no replay warms the
+next."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def init_options(daemon: Daemon, warm: bool, extra: dict) -> dict:
 
 
 async def run_compare(config: CompareConfig, run_dir: Path, progress=print) -> dict:
-    """{"modes": {arm: {editor: summary}}, "records": [...], "engines": {arm: {...}}, "config": {...}}."""
+    """{"modes": {arm: {editor: summary}}, "records": [...], "engines": {arm: {...}},
+    "config": {...}}."""
     arms = [Arm.parse(spec) for spec in config.modes]
     size = config.daemons_at_once or len(arms)
     records: list[dict] = []

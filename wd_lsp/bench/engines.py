@@ -145,12 +145,12 @@ async def wait_ready(daemon: Daemon, timeout_s: float = 300.0) -> dict:
             )
         try:
             return await daemon.stats()
-        except (EngineUnavailable, OSError):
+        except (EngineUnavailable, OSError) as exc:
             daemon.client = None
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the engine on {daemon.socket} did not start in {timeout_s:.0f} s"
-                )
+                ) from exc
             await asyncio.sleep(0.2)
 
 

@@ -23,7 +23,8 @@ def _row(name: str, editor: str, s: dict) -> str:
     tps = s["decode_tokens_per_s"]
     hit = (s.get("engine") or {}).get("cache_hit_ratio_all")
     return (
-        f"| {name} | {editor} | {s['requests']} | {s['shown']} | {_ms(f['p50'])} / {_ms(f['p90'])} / {_ms(f['p99'])} "
+        f"| {name} | {editor} | {s['requests']} | {s['shown']} "
+        f"| {_ms(f['p50'])} / {_ms(f['p90'])} / {_ms(f['p99'])} "
         f"| {_ms(g['p50'])} / {_ms(g['p90'])} / {_ms(g['p99'])} | {_ms(e['p50'])} | "
         f"{'–' if tps is None else f'{tps:.0f}'} | {_pct(hit)} | {s['typing_through']} | "
         f"{_pct(s['would_accept_whole'])} / {_pct(s['would_accept_first_line'])} | "
@@ -31,11 +32,22 @@ def _row(name: str, editor: str, s: dict) -> str:
     )
 
 
-HEADER = (
-    "| mode | editor | requests | shown | key→first token p50/p90/p99 ms | key→ghost p50/p90/p99 ms "
-    "| engine first token p50 ms | decode tok/s | cache hits | typing-through | would accept whole / line "
-    "| cancelled / superseded | errors |\n|" + "---|" * 13
+_COLUMNS = (
+    "mode",
+    "editor",
+    "requests",
+    "shown",
+    "key→first token p50/p90/p99 ms",
+    "key→ghost p50/p90/p99 ms",
+    "engine first token p50 ms",
+    "decode tok/s",
+    "cache hits",
+    "typing-through",
+    "would accept whole / line",
+    "cancelled / superseded",
+    "errors",
 )
+HEADER = "| " + " | ".join(_COLUMNS) + " |\n|" + "---|" * len(_COLUMNS)
 
 
 def _model(cfg: dict) -> str:
@@ -64,25 +76,28 @@ def markdown_compare(result: dict) -> str:
             lines.append(_row(name, editor, s))
     lines += [
         "",
-        "Key→ghost counts answers shown for the current text; cancelled and stale answers are not shown. "
-        "Cache hits: prompt tokens the engine took from its prefix cache (completions and warm-ups).",
+        "Key→ghost counts answers shown for the current text; cancelled and stale answers are "
+        "not shown. Cache hits: prompt tokens the engine took from its prefix cache (completions "
+        "and warm-ups).",
         "",
     ]
     if result.get("engines"):
         lines += [
-            f"Engine arguments: `{' '.join(cfg['engine_args']) or '(defaults)'}`; engines alive at once: "
-            f"{cfg.get('daemons_at_once') or 'all'}. A mode@path arm forces that MoE path "
-            "(`wd-engine serve --moe-path`); the others use the engine's own choice (on CUDA: warp decode "
-            "for a few tokens, expert-centric for many).",
+            f"Engine arguments: `{' '.join(cfg['engine_args']) or '(defaults)'}`; "
+            f"engines alive at once: {cfg.get('daemons_at_once') or 'all'}. A mode@path arm forces "
+            "that MoE path (`wd-engine serve --moe-path`); the others use the engine's own choice "
+            "(on CUDA: warp decode for a few tokens, expert-centric for many).",
             "",
-            "| mode | layers | experts (k) | vocab | dtype | device | MoE path | ready s | warm-up s |",
+            "| mode | layers | experts (k) | vocab | dtype | device | MoE path | ready s "
+            "| warm-up s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, e in result["engines"].items():
             warm = e.get("warm_up_s")
             lines.append(
-                f"| {name} | {e.get('layers')} | {e.get('experts')} ({e.get('experts_per_token')}) | "
-                f"{e.get('vocab_size')} | {e.get('dtype')} | {e.get('device')} | {e.get('moe_path')} | "
+                f"| {name} | {e.get('layers')} | {e.get('experts')} "
+                f"({e.get('experts_per_token')}) | {e.get('vocab_size')} | {e.get('dtype')} "
+                f"| {e.get('device')} | {e.get('moe_path')} | "
                 f"{e['ready_s']:.1f} | {'–' if warm is None else f'{warm:.1f}'} |"
             )
         lines.append("")
@@ -96,8 +111,8 @@ def markdown_soak(result: dict) -> str:
     lines = [
         "# wd-lsp soak",
         "",
-        f"{result['config']['editors']} editors ({result['config']['editor_style']}) against one engine for "
-        f"{result['elapsed_s']:.0f} s; {result['sessions']} replays.",
+        f"{result['config']['editors']} editors ({result['config']['editor_style']}) "
+        f"against one engine for {result['elapsed_s']:.0f} s; {result['sessions']} replays.",
         "",
         HEADER,
         _row(result["config"]["mode"], result["config"]["editor_style"], s),
@@ -114,12 +129,17 @@ def markdown_soak(result: dict) -> str:
     lines += [
         "",
         f"Latency drift (last window p50 / first window p50, key→first token): {drift}",
-        f"KV blocks in use: {kv['start']['blocks_used']} at start, {kv['end']['blocks_used']} at the end "
+        f"KV blocks in use: {kv['start']['blocks_used']} at start, "
+        f"{kv['end']['blocks_used']} at the end "
         f"({'back to start' if kv['returned'] else 'NOT back to start'}); evictable at the end: "
         f"{kv['end']['blocks_evictable']}, evictions: {kv['end']['evictions']}.",
-        f"Failed requests: {s['errors']} (engine failed: {(s.get('engine') or {}).get('failed', 0)}).",
+        f"Failed requests: {s['errors']} "
+        f"(engine failed: {(s.get('engine') or {}).get('failed', 0)}).",
     ]
     return "\n".join(lines) + "\n"
+
+
+_METRIC_LABELS = {"first_token_ms": "first token", "ghost_ms": "ghost text"}
 
 
 def plot_compare(result: dict, out: Path) -> list[Path]:
@@ -155,7 +175,7 @@ def plot_compare(result: dict, out: Path) -> list[Path]:
                         where="post",
                         marker=".",
                         color=f"C{color}",
-                        label=f"{mode} {'first token' if metric == 'first_token_ms' else 'ghost text'}",
+                        label=f"{mode} {_METRIC_LABELS[metric]}",
                     )
         ax.set_title(f"{editor}: keystroke → first token / ghost text")
         ax.set_xlabel("ms")

@@ -130,7 +130,8 @@ async def run_soak(config: SoakConfig, run_dir: Path, progress=print) -> dict:
 
 
 async def _settled_stats(daemon, timeout_s: float = 30.0) -> dict:
-    """The daemon's stats once nothing runs or waits any more (disconnects cancel in-flight work)."""
+    """The daemon's stats once nothing runs or waits any more (disconnects cancel in-flight
+    work)."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await daemon.stats()

@@ -1,8 +1,12 @@
-"""Regressions: a bad request never stops the engine loop; edge parameters behave."""
+"""Edge values of a request's sampling parameters: an unusable seed fails that request alone
+(the engine loop goes on, its blocks are freed); a zero budget and a vanishing temperature
+behave as their limits say."""
 
 import pytest
 
-from engine.core.scheduler import Engine, Request
+from engine.core.engine import Engine
+from engine.core.options import EngineOptions
+from engine.core.request import Request
 from engine.ipc import protocol as P
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
@@ -11,7 +15,9 @@ from engine.loading.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def engine(checkpoint_factory):
     path = checkpoint_factory()
-    return Engine(load_model(path), Tokenizer.from_dir(path), num_blocks=64, block_size=8)
+    return Engine(
+        load_model(path), Tokenizer.from_dir(path), EngineOptions(num_blocks=64, block_size=8)
+    )
 
 
 def run(engine, request):

@@ -1,0 +1,324 @@
+"""The lean CPU forward: a few rows of one sequence through a small fp32 model.
+
+On a small CPU a decode step's cost is memory traffic plus the fixed cost of each small op. This
+forward computes the decoder layer (engine.model.layer) in under a third of the general path's
+ops, over weight copies made for products of a few rows (`LeanLayer`, in the form the model's
+options name: engine.model.lone_matrices): each RMSNorm weight folded into the product that
+follows, RoPE of every head as one product, routing in Python, each chosen expert read once for
+the rows routed to it, the residual added inside the products. With fp32 weights it differs from
+the general path in rounding alone.
+
+One row is a vector x [H] and n rows are x [n, H]: the same code computes both, the shapes
+differing in a leading dimension alone, so that a decode step's token takes matrix-vector
+products and a norm scale that is a Python float, the leanest form of each op.
+
+One layer computation serves every use; they differ only in how attention reads the cache:
+- `CacheRows`: new rows at the end of one sequence's cache, causal among themselves: a decode
+  step's token, or [last token] + a speculative draft (engine.decoding.prompt_lookup), whose rows
+  cost far less than as many decode steps: the weights are read once for all of them;
+- `BeamRows`: a beam search's beams at one position (engine.decoding.beam_search): each sees the
+  prompt's keys, which every beam shares and none writes, then its own beam's keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv.cache import LoneRows, ModelCache
+from engine.model import lone_matrices
+from engine.model.config import ModelConfig
+from engine.model.layer import LayerWeights
+from kernels import reference as ref
+
+if TYPE_CHECKING:
+    from engine.model.qwen3_moe import Qwen3MoeModel
+
+LoneMatrix = lone_matrices.Fp32Matrix | lone_matrices.Int8Matrix
+# Attention of one layer's rows: (layer index, q [..., Hq, D] scaled, k, v [..., Hkv, D]) -> the
+# rows' outputs [..., Hq, D], with `...` the rows' leading dimension (none for one row).
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The most rows one lean forward takes: a decode step's token and a speculative draft behind it,
+# or a beam search's beams (engine.ipc.protocol.MAX_BEAMS of them at most).
+LONE_MAX_ROWS = 9
+# With int8 weights, the logits within this much of a row's best are computed again in fp32
+# (`LeanCpu.logits`): over held-out decode steps the int8 lm_head moved the shipped model's
+# logits by well under half of it, so fp32's best stays among them; a step recomputes a handful.
+LONE_EXACT_MARGIN = 1.0
+
+
+@dataclass
+class LeanLayer:
+    """What the lean forward reads of a layer, prepared once: its matrices in the form the
+    model's options name (engine.model.lone_matrices), each RMSNorm weight in front of a product
+    folded into it, so a norm is one scalar per row."""
+
+    # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
+    qk_norm: torch.Tensor
+    w_qkv: LoneMatrix  # [(Hq + 2 Hkv) D, H], input_norm folded in
+    b_qkv: torch.Tensor  # [(Hq + 2 Hkv) D], zeros without a bias
+    w_o: LoneMatrix  # [H, Hq D]
+    # MoE: [E, H] fp32 in every form (routing is brittle), post_attention_norm folded in
+    router: torch.Tensor | None
+    gate_up: tuple[LoneMatrix, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
+    down: tuple[LoneMatrix, ...]  # MoE, per expert [H, I]
+
+    @classmethod
+    def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str) -> LeanLayer:
+        # The scale is exact when D is a power of 4 (64 is): scores come out bit-identical.
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        qk_norm = torch.cat(
+            [
+                (layer.q_norm * scale).expand(cfg.num_heads, -1),
+                layer.k_norm.expand(cfg.num_kv_heads, -1),
+            ]
+        )
+        b_qkv = (
+            layer.b_qkv if layer.b_qkv is not None else layer.w_qkv.new_zeros(layer.w_qkv.shape[0])
+        )
+        moe = layer.router is not None
+        norm = layer.post_attention_norm
+        return cls(
+            qk_norm,
+            lone_matrices.matrix(form, layer.w_qkv, layer.input_norm),
+            b_qkv,
+            lone_matrices.matrix(form, layer.w_o),
+            (layer.router * norm) if moe else None,
+            tuple(lone_matrices.matrix(form, w, norm) for w in layer.w_gate_up) if moe else (),
+            tuple(lone_matrices.matrix(form, w) for w in layer.w_down) if moe else (),
+        )
+
+
+class CacheRows:
+    """Attention of new rows at the end of one sequence's cache: their K/V go to the slots
+    `lone_rows` gave, and row j sees the keys up to its own."""
+
+    def __init__(self, cache: ModelCache, rows: LoneRows):
+        self.cache, self.runs = cache, rows.runs
+        # One row's K/V are written by plain indexing, rows' by one index_copy_.
+        self.slots = rows.slots[0] if len(rows.slots) == 1 else torch.tensor(rows.slots)
+
+    def __call__(self, index: int, q, k, v) -> torch.Tensor:
+        keys, values = self.cache.layer_stores(index)
+        key_runs = [keys[a:b] for a, b in self.runs]
+        value_runs = [values[a:b] for a, b in self.runs]
+        if q.dim() == 2:  # one row: it sees every key, so no mask is built
+            keys[self.slots].copy_(k)
+            values[self.slots].copy_(v)
+            return ref.attention_lone(q, key_runs, value_runs)
+        keys.index_copy_(0, self.slots, k)
+        values.index_copy_(0, self.slots, v)
+        return ref.attention_rows(q, key_runs, value_runs)
+
+
+class BeamKeys(Protocol):
+    """Each beam's own K/V beside the shared prompt (engine.decoding.beam_search.BeamTails)."""
+
+    length: int  # tokens each beam holds
+
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the beams' new k, v [B, Hkv, D] to layer's; return its keys and values
+        [B, t, Hkv, D]."""
+
+
+class BeamRows:
+    """Attention of B beams' rows at one position: each sees the prompt's slot runs, then its own
+    beam's keys, which `tails` holds and gains here."""
+
+    def __init__(self, cache: ModelCache, runs: list[tuple[int, int]], tails: BeamKeys):
+        self.cache, self.runs, self.tails = cache, runs, tails
+
+    def __call__(self, index: int, q, k, v) -> torch.Tensor:
+        if q.dim() == 2:  # one beam, computed as a vector: as a row of one here
+            return self(index, q[None], k[None], v[None])[0]
+        tail_keys, tail_values = self.tails.extend(index, k, v)
+        keys, values = self.cache.layer_stores(index)
+        return ref.attention_beams(
+            q,
+            [keys[a:b] for a, b in self.runs],
+            [values[a:b] for a, b in self.runs],
+            tail_keys,
+            tail_values,
+        )
+
+
+class LeanCpu:
+    """The model's lean CPU forward, its weight copies in `form`, built on first use (or by
+    `prepare`)."""
+
+    def __init__(self, model: Qwen3MoeModel, form: str):
+        self.model, self.form = model, form
+        self.layers: list[LeanLayer] | None = None
+        cfg = model.config
+        # Read in every layer of every step: looked up once.
+        self.eps, self.head_dim = cfg.rms_norm_eps, cfg.head_dim
+        self.q_heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def prepare(self) -> None:
+        if self.layers is not None:
+            return
+        model = self.model
+        self.layers = [LeanLayer.of(layer, model.config, self.form) for layer in model.layers]
+        self._lm_head = lone_matrices.matrix(self.form, model.lm_head, model.final_norm)
+        self._input_dtype = lone_matrices.INPUT_DTYPE[self.form]
+        self._eps = torch.tensor(model.config.rms_norm_eps)
+
+    def tail(self, tokens: list[int], position: int, cache: ModelCache) -> torch.Tensor | None:
+        """Logits [n, V] of one sequence's n new tokens at positions position.. (the end of its
+        cache); None where the cache cannot serve it or there are too many rows."""
+        if len(tokens) > LONE_MAX_ROWS:
+            return None
+        rows = cache.lone_rows(position, len(tokens))
+        if rows is None:
+            return None
+        inv_freq = self.model.inv_freq
+        if len(tokens) == 1:
+            rope = ref.rope_matrix(position, inv_freq)
+        else:
+            rope = torch.stack(
+                [ref.rope_matrix(p, inv_freq) for p in range(position, position + len(tokens))]
+            )
+        return self._forward(tokens, rope, CacheRows(cache, rows))
+
+    def beams(
+        self, tokens: list[int], position: int, cache: ModelCache, tails: BeamKeys
+    ) -> torch.Tensor | None:
+        """Logits [B, V] of B beams' newest tokens, all at `position`: each beam sees the cache's
+        positions below position - tails.length (the prompt), then its own tokens in `tails`.
+        None where the cache cannot serve it or there are too many beams."""
+        if len(tokens) > LONE_MAX_ROWS:
+            return None
+        rows = cache.lone_rows(position - tails.length, 0)
+        if rows is None:
+            return None
+        rope = ref.rope_matrix(position, self.model.inv_freq)
+        return self._forward(tokens, rope, BeamRows(cache, rows.runs, tails))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of residual rows x [n, H] (or [1, V] of one row x [H]): the final norm,
+        then the lm_head."""
+        h = _normed(x, self.eps)
+        return self.logits(h if h.dim() == 2 else h[None])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of normed rows h [n, H] (the final norm's weight not applied yet). With
+        int8 weights, every logit within LONE_EXACT_MARGIN of a row's best is computed again from
+        the fp32 lm_head, so greedy picks as fp32 would unless int8's rounding moved a logit by
+        half the margin; the rest stay int8's (sampling at a temperature sees them)."""
+        self.prepare()
+        logits = self._lm_head.mm(h)
+        if self.form == "fp32":
+            return logits
+        logits = logits.float()
+        rows, cols = torch.nonzero(
+            logits >= logits.amax(dim=-1, keepdim=True) - LONE_EXACT_MARGIN, as_tuple=True
+        )
+        model = self.model
+        exact = torch.linalg.vecdot(model.lm_head[cols], (h * model.final_norm)[rows])
+        return logits.index_put_((rows, cols), exact)
+
+    def _forward(self, tokens: list[int], rope: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder layers over rows of `tokens`, RoPE'd by rope ([D, D] for rows at one
+        position, [n, D, D] per row), attention by `attend`; logits [n, V]."""
+        self.prepare()
+        model = self.model
+        if len(tokens) == 1:  # a vector, a view: every update below makes a new tensor
+            x = model.embed[tokens[0]]
+        else:
+            x = model.embed[torch.tensor(tokens)]  # [n, H], a copy
+        for index, (layer, lean) in enumerate(zip(model.layers, self.layers)):
+            q, k, v = self._qkv(x, lean, rope)
+            out = attend(index, q, k, v)
+            out = out.view(-1) if x.dim() == 1 else out.reshape(x.shape[0], -1)  # [..., Hq D]
+            x = lean.w_o.addmm(x, out)  # the residual added inside the product
+            x = self._mlp(x, layer, lean)
+        return self.head(x)
+
+    def _qkv(self, x: torch.Tensor, lean: LeanLayer, rope: torch.Tensor):
+        """Rows x [..., H] -> q [..., Hq, D] (normed, rotated, scaled), k [..., Hkv, D] (normed,
+        rotated), v [..., Hkv, D]."""
+        d, n_q, n_qk = self.head_dim, self.q_heads, self.q_heads + self.kv_heads
+        one = x.dim() == 1
+        qkv = _normed_product(lean.w_qkv, lean.b_qkv, x, self.eps)
+        # Heads as rows, [heads, D] or [n, heads, D], cut by basic slices (the cheapest views:
+        # ops this small cost their dispatch, not their arithmetic).
+        qkv = qkv.view(-1, d) if one else qkv.view(x.shape[0], -1, d)
+        qk = qkv[:n_qk] if one else qkv[:, :n_qk]
+        # q and k heads: one norm (weights per head row), then RoPE for all of them at once.
+        inv_rms = torch.add(self._eps, torch.linalg.vecdot(qk, qk), alpha=1 / d).rsqrt_()
+        qk = torch.matmul(torch.mul(qk, lean.qk_norm).mul_(inv_rms[..., None]), rope)
+        if one:
+            return qk[:n_q], qk[n_q:], qkv[n_qk:]
+        return qk[:, :n_q], qk[:, n_q:], qkv[:, n_qk:]
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, lean: LeanLayer) -> torch.Tensor:
+        """x [..., H] (attention's residual added) plus the layer's MLP or MoE of it."""
+        if layer.b_o is not None:
+            x = x + layer.b_o
+        if layer.router is None:
+            h = ref.rms_norm(x, layer.post_attention_norm, self.eps)
+            return x + ref.dense_mlp(h, layer.w_gate_up, layer.w_down)
+        # MoE: routing in Python (a handful of logits per row), each chosen expert read in place.
+        h = _normed(x, self.eps)  # the norm's weight is in the router and expert copies
+        logits = _router_logits(lean.router, h)
+        h = h.to(self._input_dtype)  # once for every expert
+        if x.dim() == 1:  # one row: each expert's output into the residual, weighted inside
+            for expert, weight in ref.route_one(logits[0], self.top_k, self.norm_topk):
+                gate, up = lean.gate_up[expert].mm(h).view(2, -1)
+                x = lean.down[expert].addmm(x, F.silu(gate).mul_(up), alpha=weight)
+            return x
+        # Rows grouped by expert, so that each chosen expert's weights are read once.
+        routed: dict[int, tuple[list[int], list[float]]] = {}
+        for row, row_logits in enumerate(logits):
+            for expert, weight in ref.route_one(row_logits, self.top_k, self.norm_topk):
+                rows, weights = routed.setdefault(expert, ([], []))
+                rows.append(row)
+                weights.append(weight)
+        for expert, (rows, weights) in routed.items():
+            every = len(rows) == x.shape[0]  # no gather or scatter
+            gate, up = lean.gate_up[expert].mm(h if every else h[rows]).chunk(2, dim=-1)
+            y = torch.mul(
+                lean.down[expert].mm(F.silu(gate).mul_(up)), torch.tensor(weights)[:, None]
+            )  # fp32
+            x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
+        return x
+
+
+# One row's RMSNorm scale is a Python float, which rides on the product that follows as its
+# alpha instead of costing the ops of a per-row scale.
+def _inv_rms_one(x: torch.Tensor, eps: float) -> float:
+    """RMSNorm's 1/rms of one fp32 row x [H]."""
+    return 1.0 / math.sqrt(torch.dot(x, x).item() / x.shape[0] + eps)
+
+
+def _inv_rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's 1/rms of each row of fp32 x [n, H], as [n, 1]."""
+    return torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()[:, None]
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows x [..., H] RMS-normed (without a norm weight)."""
+    return x * (_inv_rms_one(x, eps) if x.dim() == 1 else _inv_rms_rows(x, eps))
+
+
+def _normed_product(w: LoneMatrix, add: torch.Tensor, x: torch.Tensor, eps: float):
+    """add + (x RMS-normed) W^T for rows x [..., H], the norm's weight being folded into W."""
+    if x.dim() == 1:
+        return w.addmm(add, x, alpha=_inv_rms_one(x, eps))
+    return w.addmm(add, x * _inv_rms_rows(x, eps))
+
+
+def _router_logits(router: torch.Tensor, h: torch.Tensor) -> list[list[float]]:
+    """Each row's router logits as Python floats."""
+    if h.dim() == 1:
+        return [torch.mv(router, h).tolist()]
+    return torch.mm(h, router.t()).tolist()

@@ -1,0 +1,48 @@
+"""How a model computes, chosen at load and fixed for the model's life: `ModelOptions`.
+
+A model built with other options shares the weights (`Qwen3MoeModel.with_options`), so a test or
+benchmark that compares paths holds one model per path instead of switching one model back and
+forth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import lone_matrices
+
+MOE_PATHS = ("auto", "expert_centric", "output_centric")
+
+# The MoE function's arguments: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_ids and
+# topk_weights [T, k], as `kernels.reference.moe_*` take them; it returns [T, H].
+MoeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    # "auto": the model picks each MoE layer's path (by the routed pairs on the CPU, the Triton
+    # dispatcher on CUDA); the others force the torch reference's path for every layer.
+    moe_path: str = "auto"
+    # False: the CPU's small-batch steps run the general path too (for comparisons).
+    lone_decode: bool = True
+    # The lean CPU path's weights (engine.model.lone_matrices): "int8" or "fp32"; None takes this
+    # platform's default, which is what the field then holds.
+    lone_weights: str | None = None
+    # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
+    # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.
+    moe_fn: MoeFn | None = None
+
+    def __post_init__(self):
+        if self.moe_path not in MOE_PATHS:
+            raise ValueError(f"moe_path is one of {MOE_PATHS}, not {self.moe_path!r}")
+        if self.lone_weights is None:
+            object.__setattr__(self, "lone_weights", lone_matrices.default_form())
+        elif self.lone_weights not in lone_matrices.FORMS:
+            raise ValueError(
+                f"lone_weights is one of {lone_matrices.FORMS}, not {self.lone_weights!r}"
+            )
