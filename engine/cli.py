@@ -17,7 +17,6 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 def _generate(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level, so `wd-engine --help` stays instant.
     from engine.core.engine import Engine
-    from engine.core.options import EngineOptions
     from engine.core.request import Request, RequestFailed
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
@@ -31,9 +30,6 @@ def _generate(args: argparse.Namespace) -> int:
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
         model = load_model(model_dir, dtype=args.dtype, device=args.device, options=options)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        # CPU: the decode step's weight copies, counted as load, not as decode.
-        model.prepare_lone_decode()
-        load_s = time.perf_counter() - t0
         if args.fim_prefix is not None or args.fim_suffix is not None:
             order = args.fim_order
             # The model's cache-friendly suffix-first order when it was trained with it.
@@ -61,34 +57,54 @@ def _generate(args: argparse.Namespace) -> int:
             forced_text=forced_text,
             beams=args.beams,
         )
-        context = model.config.max_position_embeddings
-        engine = Engine(model, tokenizer, EngineOptions.one_shot(request, context))
-        done = engine.complete(request, _write_delta).check()
+        # The engine's start (on the CPU the lean decode step's weight copies) counts as load.
+        engine = Engine.for_one_request(model, tokenizer, request)
+        load_s = time.perf_counter() - t0
+        reader_gone = []
+
+        def write_delta(event) -> None:
+            if event.kind != "delta" or reader_gone:
+                return
+            try:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            except BrokenPipeError:  # the reader stopped (`| head`): nothing more to decode
+                reader_gone.append(True)
+                engine.cancel(request.id)
+
+        done = engine.complete(request, write_delta).check()
+        if reader_gone:
+            return _reader_gone()
         if args.newline:
             sys.stdout.write("\n")
+        if args.stats:
+            if done.text and not done.text.endswith("\n") and not args.newline:
+                sys.stdout.write("\n")  # keep the timings off the completion's last line
+            sys.stdout.flush()
+            print(_stats_line(load_s, done), file=sys.stderr)
     except (ModelFormatError, FimUnsupported, RequestFailed, ValueError) as exc:
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
-    if args.stats:
-        if done.text and not done.text.endswith("\n") and not args.newline:
-            sys.stdout.write("\n")  # keep the timings off the completion's last line
-            sys.stdout.flush()
-        print(_stats_line(load_s, done), file=sys.stderr)
+    except BrokenPipeError:
+        return _reader_gone()
     return 0
 
 
-def _write_delta(event) -> None:
-    if event.kind == "delta":
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
+def _reader_gone() -> int:
+    """Standard output's reader closed the pipe: point stdout at the null device, so that the
+    interpreter's flush at exit does not fail again, and exit 1 as an unhandled EPIPE would."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 def _stats_line(load_s: float, done) -> str:
     """`generate --stats`: load, prefill and first token, and the decode rate (the tokens after
-    the first over the time after it), from the completion's usage."""
+    the first over the time from the prompt's end to the request's), from the completion's
+    usage."""
     usage = done.usage
     first_ms = usage["first_token_ms"] or usage["total_ms"]
-    decode_s = (usage["total_ms"] - first_ms) / 1000
+    decode_s = usage["decode_ms"] / 1000
     rate = max(len(done.token_ids) - 1, 0) / decode_s if decode_s > 0 else 0.0
     return (
         f"[load {load_s * 1000:.0f} ms | prompt {usage['prompt_tokens']} tok, "
@@ -144,13 +160,13 @@ def model_options(device, moe_path: str | None, cpu_decode_weights: str | None):
     decode for a few tokens, expert-centric for many); an explicit path is forced for every MoE
     layer: the torch reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp
     decode there). `cpu_decode_weights`: the weights the lean CPU decode step streams
-    (engine.model.lone_matrices), None the platform's default; int8 needs torch's int8 product."""
+    (engine.model.lean_matrices), None the platform's default; int8 needs torch's int8 product."""
     import logging
     from functools import partial
 
     import torch
 
-    from engine.model.lone_matrices import int8_available
+    from engine.model.lean_matrices import int8_available
     from engine.model.options import ModelOptions
     from kernels import dispatch
 
@@ -162,9 +178,9 @@ def model_options(device, moe_path: str | None, cpu_decode_weights: str | None):
         form = "fp32"
     path = moe_path or "auto"
     if path == "auto" or torch.device(device).type != "cuda":
-        return ModelOptions(moe_path=path, lone_weights=form)
+        return ModelOptions(moe_path=path, lean_weights=form)
     kernel = dispatch.WARP_DECODE if path == "output_centric" else dispatch.EXPERT_CENTRIC
-    return ModelOptions(lone_weights=form, moe_fn=partial(dispatch.run_path, kernel))
+    return ModelOptions(lean_weights=form, moe_fn=partial(dispatch.run_path, kernel))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -213,7 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.device,
             model.dtype,
             args.moe_path,
-            model.options.lone_weights if model.lone_path_applies() else "unused",
+            model.options.lean_weights if model.lean_path_applies() else "unused",
         )
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
@@ -261,8 +277,7 @@ def _parallel(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from engine.core.engine import Engine
-    from engine.core.options import EngineOptions
-    from engine.core.request import Request
+    from engine.core.request import Request, RequestFailed
     from engine.loading.loader import load_model, resolve_dtype
     from engine.loading.tokenizer import Tokenizer
     from engine.model import expert_parallel
@@ -282,22 +297,19 @@ def _parallel(args: argparse.Namespace) -> int:
         )
         model = expert_parallel.shard(local, experts)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
-        request = Request(tokenizer.encode(args.prompt), max_tokens=args.max_tokens)
-        context = model.config.max_position_embeddings
-        engine = Engine(model, tokenizer, EngineOptions.one_shot(request, context))
-        events = []
-        engine.submit(request, events.append)
-        engine.run_until_idle()
-        if events[-1].kind == "error":
-            raise RuntimeError(events[-1].error)
-        text = "".join(e.text for e in events if e.kind == "delta")
+        request = Request(tokenizer.encode_prompt(args.prompt), max_tokens=args.max_tokens)
+        try:
+            done = Engine.for_one_request(model, tokenizer, request).complete(request).check()
+        except RequestFailed as exc:
+            print(f"wd-engine: {exc}", file=sys.stderr)
+            return 1
         # Every rank decoded the same tokens; check it rather than trust it.
         seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, text)
+        dist.all_gather_object(seen, done.token_ids)
         if any(s != seen[0] for s in seen):
-            raise RuntimeError(f"ranks disagree on the completion: {seen}")
+            raise RuntimeError(f"ranks disagree on the completion's tokens: {seen}")
         if dist.get_rank() == 0:
-            sys.stdout.write(text)
+            sys.stdout.write(done.text)
             sys.stdout.flush()
     finally:
         dist.destroy_process_group()

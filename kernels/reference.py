@@ -169,7 +169,7 @@ def _probs_times_value_runs(probs: torch.Tensor, value_runs: list[torch.Tensor])
     return out
 
 
-def attention_lone(
+def attention_lean(
     q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]
 ) -> torch.Tensor:
     """`attention_over_runs` for one query that sees every key (decode at the last position),
@@ -189,7 +189,7 @@ def attention_lone(
 def attention_rows(
     q: torch.Tensor, key_runs: list[torch.Tensor], value_runs: list[torch.Tensor]
 ) -> torch.Tensor:
-    """`attention_lone` for the last n positions of one sequence, causal among them: row j sees
+    """`attention_lean` for the last n positions of one sequence, causal among them: row j sees
     keys 0..S-n+j. q [n, Hq, D] with the softmax scale in it; runs [n_i, Hkv, D] cover 0..S-1.
     Returns [n, Hq, D]."""
     n, n_q, head_dim = q.shape
@@ -265,6 +265,12 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_pr
     """
     logits = F.linear(x, router_weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return route_probs(probs, top_k, norm_topk_prob)
+
+
+def route_probs(probs: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """`route` from the router's probabilities [T, E] fp32, for a caller that needs them as well
+    (the training model's balance loss)."""
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -104,13 +104,13 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
 
 
 # The lean CPU paths' logits against the general path's, relative to the largest logit, by weight
-# form (engine.model.lone_matrices): fp32 differs in rounding alone, on every step or row; int8
+# form (engine.model.lean_matrices): fp32 differs in rounding alone, on every step or row; int8
 # rounds weights to 1/254 of a row's largest and activations to bf16, on the median step or row
 # (now and then a random model's near-tied router picks another expert from the rounded input).
 LEAN_PATH_TOLERANCE = {"fp32": 1e-5, "int8": 2e-2}
 
 
-def lone_path_model(variant: str, form: str = "fp32"):
+def lean_path_model(variant: str, form: str = "fp32"):
     """A random fp32 model for the lean CPU paths' tests, its lean path's weights in `form`:
     "moe" (every layer MoE, tied embeddings), "dense_and_untied" (layer 0 dense, an own lm_head)
     or "bias" (q/k/v and o biases)."""
@@ -120,7 +120,7 @@ def lone_path_model(variant: str, form: str = "fp32"):
     config = dict(TINY, vocab_size=512)
     if variant == "dense_and_untied":
         config.update(mlp_only_layers=[0], tie_word_embeddings=False)
-    options = ModelOptions(lone_weights=form)
+    options = ModelOptions(lean_weights=form)
     model = random_model(config, dtype=torch.float32, seed=3, options=options)
     if variant == "bias":
         g = torch.Generator().manual_seed(4)

@@ -19,6 +19,5 @@ def complete(model, tokenizer, prompt_ids, **request) -> tuple[str, Completion]:
     """One request on a fresh engine whose pool holds just it (nothing cached), as
     `wd-engine generate` runs it: its text and its gathered events."""
     req = Request(list(prompt_ids), **request)
-    options = EngineOptions.one_shot(req, model.config.max_position_embeddings)
-    done = Engine(model, tokenizer, options).complete(req)
+    done = Engine.for_one_request(model, tokenizer, req).complete(req)
     return done.text, done

@@ -85,18 +85,18 @@ def test_engine_logits_match_transformers(hf_model):
 @needs_engine
 def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
     """The CPU's lone decode step streams int8 weight copies (by default on x86-64;
-    engine.model.lone_matrices); on the shipped model its greedy tokens are still fp32
+    engine.model.lean_matrices); on the shipped model its greedy tokens are still fp32
     transformers' own."""
     from engine_runs import complete
 
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
-    from engine.model.lone_matrices import int8_available
+    from engine.model.lean_matrices import int8_available
     from engine.model.options import ModelOptions
 
     if not int8_available():
         pytest.skip("this torch lacks the int8 weight-only product")
-    model = load_model(MODEL_DIR, options=ModelOptions(lone_weights="int8"))
+    model = load_model(MODEL_DIR, options=ModelOptions(lean_weights="int8"))
     tok = Tokenizer.from_dir(MODEL_DIR)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)

@@ -6,7 +6,12 @@ side effect hides or adds an arrow; imports inside functions count like any othe
 - `engine/ipc` imports no other engine package and no torch (the server imports it);
 - library modules never import benchmarks (`engine.bench`, `kernels.bench`) or training
   (`engine.train`);
-- the engine's packages import each other without a cycle.
+- `wd_lsp` (its benchmarks aside) takes from the engine only `engine.ipc`, and never imports
+  torch, Triton, numpy or transformers;
+- the engine's packages import each other without a cycle, and so do its modules (imports
+  under `if TYPE_CHECKING:` aside: they never run).
+
+Each rule is also run on a small made-up tree that breaks it, to show that it would fail.
 
 `python -m tests.test_layering` prints the package import graph, one edge a line.
 """
@@ -31,21 +36,42 @@ BENCH_AND_TRAIN = ("engine.bench", "kernels.bench", "engine.train")
 class Import:
     source: str  # the importing module, dotted
     target: str  # the imported module, dotted and absolute
-    path: Path
+    path: str  # the importing file, relative to the tree's root
     line: int
+    type_only: bool = False  # under `if TYPE_CHECKING:`: for the type checker, never run
 
     def __str__(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}: {self.source} imports {self.target}"
+        return f"{self.path}:{self.line}: {self.source} imports {self.target}"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _tree_modules(root: Path) -> frozenset[str]:
+    return frozenset(_module_name(p, root) for pkg in PACKAGES for p in (root / pkg).rglob("*.py"))
 
 
 @functools.cache
 def _first_party_modules() -> frozenset[str]:
-    return frozenset(_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    return _tree_modules(ROOT)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _type_only_nodes(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under an `if TYPE_CHECKING:` (not its else)."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -62,14 +88,24 @@ def _resolve_from(source: str, is_package: bool, module: str | None, level: int)
     return ".".join(base + ([module] if module else []))
 
 
-def imports_in_source(text: str, source: str, is_package: bool = False, path=ROOT) -> list[Import]:
+def imports_in_source(
+    text: str,
+    source: str,
+    is_package: bool = False,
+    path: str = "<source>",
+    modules: frozenset[str] | None = None,
+) -> list[Import]:
     """Every import in `text` (module `source`), at any depth, as absolute module names.
 
-    `from a import b` names the module a.b when that module exists in the tree, else a; a call
-    `importlib.import_module("a.b")` with a literal name counts too.
+    `from a import b` names the module a.b when that module exists in the tree (`modules`, by
+    default the project's), else a; a call `importlib.import_module("a.b")` with a literal name
+    counts too. Imports under `if TYPE_CHECKING:` are marked `type_only`.
     """
+    modules = _first_party_modules() if modules is None else modules
+    tree = ast.parse(text)
+    type_only = _type_only_nodes(tree)
     found = []
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree):
         targets = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -77,7 +113,7 @@ def imports_in_source(text: str, source: str, is_package: bool = False, path=ROO
             module = _resolve_from(source, is_package, node.module, node.level)
             for alias in node.names:
                 sub = f"{module}.{alias.name}"
-                targets.append(sub if sub in _first_party_modules() else module)
+                targets.append(sub if sub in modules else module)
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -88,23 +124,33 @@ def imports_in_source(text: str, source: str, is_package: bool = False, path=ROO
             and not node.args[0].value.startswith(".")
         ):
             targets = [node.args[0].value]
-        found += [Import(source, t, path, node.lineno) for t in dict.fromkeys(targets)]
+        found += [
+            Import(source, t, path, node.lineno, id(node) in type_only)
+            for t in dict.fromkeys(targets)
+        ]
     return found
+
+
+def tree_imports(root: Path) -> tuple[Import, ...]:
+    """Every import of every module of the packages (engine, kernels, wd_lsp) under `root`."""
+    modules = _tree_modules(root)
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            found += imports_in_source(
+                path.read_text(encoding="utf-8"),
+                _module_name(path, root),
+                path.name == "__init__.py",
+                str(path.relative_to(root)),
+                modules,
+            )
+    return tuple(found)
 
 
 @functools.cache
 def all_imports() -> tuple[Import, ...]:
-    """Every import of every first-party module (engine, kernels, wd_lsp)."""
-    found = []
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            found += imports_in_source(
-                path.read_text(encoding="utf-8"),
-                _module_name(path),
-                path.name == "__init__.py",
-                path,
-            )
-    return tuple(found)
+    """Every import of every first-party module of the project."""
+    return tree_imports(ROOT)
 
 
 def package_of(module: str) -> str | None:
@@ -179,8 +225,44 @@ def tangles(edges) -> list[set[str]]:
     return groups
 
 
-def _violations(where, forbidden) -> list[str]:
-    return [str(imp) for imp in all_imports() if where(imp.source) and forbidden(imp.target)]
+def _violations(where, forbidden, imports=None) -> list[str]:
+    imports = all_imports() if imports is None else imports
+    return [str(imp) for imp in imports if where(imp.source) and forbidden(imp.target)]
+
+
+def wd_lsp_violations(imports) -> list[str]:
+    """Imports of the language server (its benchmarks aside) that take from the engine anything
+    but `engine.ipc`, or load a heavy package, at any depth."""
+    return _violations(
+        lambda src: _within(src, "wd_lsp") and not _within(src, "wd_lsp.bench"),
+        lambda dst: (
+            (_within(dst, "engine") and not _within(dst, "engine.ipc"))
+            or any(_within(dst, heavy) for heavy in HEAVY)
+        ),
+        imports,
+    )
+
+
+def module_cycles(imports) -> list[str]:
+    """The groups of engine modules that import each other, each with the imports that tie it:
+    imports at any depth count (a function's import runs when it is called), those under
+    `if TYPE_CHECKING:` do not (they never run)."""
+    edges: dict[tuple[str, str], list[Import]] = {}
+    for imp in imports:
+        if (
+            not imp.type_only
+            and imp.source != imp.target
+            and _within(imp.source, "engine")
+            and _within(imp.target, "engine")
+        ):
+            edges.setdefault((imp.source, imp.target), []).append(imp)
+    found = []
+    for group in tangles(edges):
+        ties = [
+            str(imp) for (a, b), imps in sorted(edges.items()) if {a, b} <= group for imp in imps
+        ]
+        found.append(", ".join(sorted(group)) + ":\n    " + "\n    ".join(ties))
+    return found
 
 
 def _report(violations: list[str]) -> str:
@@ -267,6 +349,79 @@ def test_engine_packages_form_no_cycle():
         )
 
 
+def test_wd_lsp_takes_only_ipc_from_the_engine_and_nothing_heavy():
+    bad = wd_lsp_violations(all_imports())
+    assert not bad, _report(bad)
+
+
+def test_engine_modules_form_no_cycle():
+    cycles = module_cycles(all_imports())
+    assert not cycles, "modules that import each other:\n" + "\n".join(cycles)
+
+
+# --- the checks, shown to fail on a tree that breaks them -----------------------------------
+
+
+def _write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def test_the_wd_lsp_rule_fails_on_an_engine_or_heavy_import(tmp_path):
+    imports = tree_imports(
+        _write_tree(
+            tmp_path,
+            {
+                "engine/__init__.py": "",
+                "engine/ipc/__init__.py": "",
+                "engine/ipc/protocol.py": "",
+                "engine/core/__init__.py": "",
+                "engine/core/request.py": "",
+                "wd_lsp/__init__.py": "from engine.ipc.protocol import ErrorCode\n",
+                "wd_lsp/link.py": (
+                    "from engine.ipc import protocol\n"
+                    "def f():\n"
+                    "    from engine.core.request import Request\n"
+                    "    import numpy.linalg\n"
+                ),
+                "wd_lsp/lazy.py": "class A:\n    def g(self):\n        import torch\n",
+                "wd_lsp/bench/__init__.py": "",
+                "wd_lsp/bench/eval.py": "import torch\nfrom engine.core import request\n",
+            },
+        )
+    )
+    assert sorted(wd_lsp_violations(imports)) == [
+        "wd_lsp/lazy.py:3: wd_lsp.lazy imports torch",
+        "wd_lsp/link.py:3: wd_lsp.link imports engine.core.request",
+        "wd_lsp/link.py:4: wd_lsp.link imports numpy.linalg",
+    ]
+
+
+def test_the_module_cycle_rule_fails_on_a_cycle_and_not_on_a_type_only_one(tmp_path):
+    files = {
+        "engine/__init__.py": "",
+        "engine/a.py": "from engine import b\n",
+        "engine/b.py": "def f():\n    from engine.c import C\n",  # a function's import counts
+        "engine/c.py": "from .a import A\n",
+        "engine/d.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine import e\n"
+        ),
+        "engine/e.py": (
+            "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    import engine.d\n"
+        ),
+    }
+    cycles = module_cycles(tree_imports(_write_tree(tmp_path, files)))
+    assert len(cycles) == 1 and cycles[0].startswith("engine.a, engine.b, engine.c:"), cycles
+    assert "engine/b.py:2: engine.b imports engine.c" in cycles[0]
+    # With the type-only arrow (d -> e) a real import too, d and e form a cycle.
+    files["engine/d.py"] = "from engine import e\n"
+    cycles = module_cycles(tree_imports(_write_tree(tmp_path, files)))
+    assert len(cycles) == 2 and cycles[1].startswith("engine.d, engine.e:"), cycles
+
+
 # --- the reader itself ----------------------------------------------------------------------
 
 
@@ -298,6 +453,19 @@ def test_the_reader_sees_every_kind_of_import():
     }
     in_package = imports_in_source("from .pool import KVPool\n", "engine.kv", is_package=True)
     assert [imp.target for imp in in_package] == ["engine.kv.pool"]
+    typed = imports_in_source(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from engine.kv.pool import KVPool\n"
+        "else:\n"
+        "    import engine.kv.block_allocator\n",
+        "engine.core.state",
+    )
+    assert {imp.target: imp.type_only for imp in typed} == {
+        "typing": False,
+        "engine.kv.pool": True,
+        "engine.kv.block_allocator": False,
+    }
 
 
 def test_a_cycle_is_found_and_named():

@@ -31,7 +31,7 @@ from engine.ipc.client import (
     SpawnConfig,
     SpawnFailed,
 )
-from engine.ipc.protocol import ErrorCode
+from engine.ipc.protocol import FEATURE_BEAMS, hello_features
 
 from .config import Settings
 from .context import CompletionContext, encodable
@@ -90,7 +90,8 @@ class EngineLink:
         self._progress_message: str | None = None
         self._backoff_s = 0.0
         self._retry_at = 0.0  # no new connect (nor spawn) before this, in _now()
-        self._beams_refused = False  # the connected engine predates beam search
+        # What the connected engine's hello lists (engine.ipc.protocol.FEATURES).
+        self.engine_features: frozenset[str] = frozenset()
 
     def configure(self, settings: Settings) -> None:
         """New settings; a changed engine address or model takes effect at the next connect."""
@@ -166,8 +167,14 @@ class EngineLink:
         self.model_info = info.get("model")
         self._error_logged = self._starting_logged = self._timeout_logged = False
         self._last_error = None
-        self._beams_refused = False
         self._reset_backoff()
+        # The only place that connects: the features of the engine every request goes to.
+        self.engine_features = hello_features(info)
+        if self.settings.beams > 1 and FEATURE_BEAMS not in self.engine_features:
+            log.warning(
+                "the running engine does not take 'beams' (wdLsp.restartEngine updates it); "
+                "decoding greedily"
+            )
         self._set_state(
             "ready", f"engine ready: {self.model_info.get('name') if self.model_info else '?'}"
         )
@@ -211,29 +218,15 @@ class EngineLink:
             deadline_ms=s.request_timeout_ms,
         )
         # A block streams as greedy writes it: beams only for a single line.
-        if not rules.multiline and s.beams > 1 and not self._beams_refused:
-            params["beams"] = s.beams
-        try:
-            return await self._complete(params, rules)
-        except EngineError as exc:
-            # A daemon started by an older wd-lsp (it stays resident) knows no beams: greedy
-            # until the next connection.
-            if not (
-                exc.code == ErrorCode.BAD_REQUEST
-                and "beams" in exc.message
-                and params.pop("beams", None)
-            ):
-                raise
-            self._beams_refused = True
-            log.warning(
-                "the running engine does not take 'beams' (wdLsp.restartEngine updates it); "
-                "decoding greedily"
-            )
-            return await self._complete(params, rules)
+        return await self._complete(params, rules, beams=1 if rules.multiline else s.beams)
 
-    async def _complete(self, params: dict, rules: StopRules) -> EngineAnswer:
+    async def _complete(self, params: dict, rules: StopRules, beams: int) -> EngineAnswer:
         s = self.settings
         client = await self.ensure_connected()
+        # Only an engine that says it takes beams gets them: a daemon started by an older wd-lsp
+        # stays resident and refuses the parameter.
+        if beams > 1 and FEATURE_BEAMS in self.engine_features:
+            params["beams"] = beams
         guard_s = s.request_timeout_ms / 1000 + CLIENT_GRACE_S
         started = time.monotonic()
         first_token_ms = None

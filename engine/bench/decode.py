@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.kv.pool import KVPool, PagedBatch
-from engine.model.cuda_graph import DecodeGraphs
+from engine.model.cuda_graph import DecodeGraphs, StepKernels
 from engine.model.random_model import SHAPES, random_model
 
 
@@ -141,17 +141,17 @@ def fill_pool(pool: KVPool, seed: int = 0) -> None:
 
 
 def step_variants(cfg, batch: int, context: int):
-    """(name, projection function or None, attention splits or None) to time against the default."""
+    """(name, the step's kernels) to time against the default."""
     from functools import partial
 
     from kernels.gemv import MAX_ROWS, skinny_linear
     from kernels.paged_attention import default_splits
 
     auto = default_splits(batch, cfg.num_kv_heads, context + 16)
-    yield f"default (cuBLAS, {auto} splits)", None, None
+    yield f"default (cuBLAS, {auto} splits)", StepKernels()
     for splits in (8, 16, 32):
         if splits != auto:
-            yield f"attention {splits} splits", None, splits
+            yield f"attention {splits} splits", StepKernels(n_splits=splits)
     if batch <= MAX_ROWS:
         for block_n, block_k, warps in (
             (16, 256, 4),
@@ -162,8 +162,9 @@ def step_variants(cfg, batch: int, context: int):
         ):
             yield (
                 f"skinny linear n{block_n} k{block_k} w{warps}",
-                partial(skinny_linear, block_n=block_n, block_k=block_k, num_warps=warps),
-                None,
+                StepKernels(
+                    linear=partial(skinny_linear, block_n=block_n, block_k=block_k, num_warps=warps)
+                ),
             )
 
 
@@ -304,9 +305,10 @@ def main(argv=None) -> int:
         ("neither", zero_moe, skip_attention),
     ):
         stage_model = model.with_options(moe_fn=moe_fn)
-        graphs = DecodeGraphs(stage_model, pool, graph_tokens, buckets=(split_batch,))
-        if attention is not None:
-            graphs.steps[split_batch].attention = attention
+        kernels = StepKernels() if attention is None else StepKernels(attention=attention)
+        graphs = DecodeGraphs(
+            stage_model, pool, graph_tokens, buckets=(split_batch,), kernels=kernels
+        )
         split[name] = bench.step_time(graphs, split_batch, split_context) * 1e3
         del graphs
     split["moe"] = split["full"] - split["no_moe"]
@@ -318,13 +320,8 @@ def main(argv=None) -> int:
     # -- kernel choices for the step, side by side (each its own graph) ----------------------------
     variants = {}
     for batch in sorted({split_batch, *batches}):
-        for name, linear, splits in step_variants(cfg, batch, split_context):
-            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,))
-            step = graphs.steps[batch]
-            if linear is not None:
-                step.linear = linear
-            if splits is not None:
-                step.n_splits = splits
+        for name, kernels in step_variants(cfg, batch, split_context):
+            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
             ms = bench.step_time(graphs, batch, split_context) * 1e3
             variants[f"B{batch} {name}"] = ms
             log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")

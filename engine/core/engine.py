@@ -36,6 +36,7 @@ from engine.core.request import (
     Event,
     Request,
     RequestRefused,
+    token_budget,
 )
 from engine.core.runner import ModelRunner
 from engine.core.scheduler import PrefillChunk, Scheduler
@@ -46,7 +47,7 @@ from engine.decoding.sampling import GREEDY_BELOW, TokenChooser
 from engine.decoding.speculative import Speculation
 from engine.ipc.protocol import ErrorCode
 from engine.loading.tokenizer import Tokenizer
-from engine.model.qwen3_moe import LONE_MAX_ROWS, Qwen3MoeModel
+from engine.model.qwen3_moe import LEAN_MAX_ROWS, Qwen3MoeModel
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,11 @@ class Engine:
             range(vocab_limit or cfg.vocab_size, cfg.vocab_size)
         )
         self.speculation = Speculation(
-            frozenset(never), frozenset(tokenizer.eos_ids), LONE_MAX_ROWS
+            frozenset(never), frozenset(tokenizer.eos_ids), LEAN_MAX_ROWS
         )
         self.runner = ModelRunner(model, options, vocab_limit)
+        # Drafts are verified by the lean rows forward: where it cannot run, none is made.
+        self.speculates = options.speculative and self.runner.lean_rows_apply()
         self.counters = Counters()
         self.scheduler = Scheduler(
             self.runner.pool,
@@ -86,6 +89,17 @@ class Engine:
         self._order = itertools.count()
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_one_request(
+        cls, model: Qwen3MoeModel, tokenizer: Tokenizer, request: Request, **choices
+    ) -> Engine:
+        """An engine for one request (`wd-engine generate`, the expert-parallel entry point): a
+        pool that holds just it, and no CUDA graphs, whose capture takes longer than one request
+        gains. `choices`: other EngineOptions."""
+        choices.setdefault("cuda_graphs", False)
+        budget = token_budget(request, model.config.max_position_embeddings)
+        return cls(model, tokenizer, EngineOptions.holding(budget.total, **choices))
 
     @property
     def block_size(self) -> int:
@@ -105,17 +119,17 @@ class Engine:
             self._lock.notify()
 
     def stats(self) -> dict:
-        a = self.scheduler.allocator.stats()
+        blocks = self.scheduler.allocator.stats()
         pool = self.runner.pool
         return dict(
             self.counters.as_dict(),
             draft_tokens=self.speculation.drafted,
             draft_accepted=self.speculation.accepted,
-            blocks_total=a.blocks_total,
-            blocks_used=a.blocks_used,
-            blocks_free=a.blocks_free,
-            blocks_evictable=a.blocks_evictable,
-            evictions=a.evictions,
+            blocks_total=blocks.blocks_total,
+            blocks_used=blocks.blocks_used,
+            blocks_free=blocks.blocks_free,
+            blocks_evictable=blocks.blocks_evictable,
+            evictions=blocks.evictions,
             block_size=self.options.block_size,
             kv_bytes_per_token=pool.bytes_per_token(),
             prefix_cache=self.options.prefix_cache,
@@ -137,8 +151,8 @@ class Engine:
                 self.step()
             except Exception:  # noqa: BLE001 - last line of defence: fail what runs, keep serving
                 log.exception("engine step failed outside the model")
-                for a in self.scheduler.running + self.scheduler.waiting:
-                    self._fail(a, "engine error: internal failure, see the engine log")
+                for state in self.scheduler.running + self.scheduler.waiting:
+                    self._fail(state, "engine error: internal failure, see the engine log")
 
     @property
     def alive(self) -> bool:
@@ -184,11 +198,11 @@ class Engine:
             arrivals, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
         plan = self.scheduler.schedule(arrivals, cancels)
-        for a, why in plan.ended:
+        for state, why in plan.ended:
             if isinstance(why, Exception):
-                self._refuse(a, why)
+                self._refuse(state, why)
             else:
-                self._end(a, why)
+                self._end(state, why)
         if plan.prefill is not None:
             self._guarded([plan.prefill.request], self._prefill, plan.prefill)
         decoding = self.scheduler.decode_batch()  # after the prefill: a finished prompt joins
@@ -201,167 +215,185 @@ class Engine:
             fn(arg)
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged, loop goes on
             log.exception("engine step failed")
-            for a in states:
-                if a in self.scheduler.running:
-                    self._fail(a, f"engine error: {type(exc).__name__}: {exc}")
+            for state in states:
+                if state in self.scheduler.running:
+                    self._fail(state, f"engine error: {type(exc).__name__}: {exc}")
 
     def _prefill(self, chunk: PrefillChunk) -> None:
-        a = chunk.request
+        state = chunk.request
         t0 = time.monotonic()
-        logits, greedy = self.runner.prefill(a, chunk.start, chunk.end)
-        a.computed = chunk.end
-        a.prefill_s += time.monotonic() - t0
+        logits, greedy = self.runner.prefill(state, chunk.start, chunk.end)
+        state.computed = chunk.end
+        now = time.monotonic()
+        state.prefill_s += now - t0
         if not chunk.last:
             return
-        self.scheduler.prompt_computed(a)
-        if a.request.warm_only:
-            self._finish(a, "warmed")
+        state.prompt_done = now
+        self.scheduler.prompt_computed(state)
+        if state.request.warm_only:
+            self._finish(state, "warmed")
             return
-        if a.request.beams > 1 and self._start_beam_search(a, logits):
+        if state.request.beams > 1 and self._start_beam_search(state, logits):
             return
-        self._accept(a, logits, first=True, device_greedy=greedy)
+        self._accept(state, logits, first=True, device_greedy=greedy)
 
     def _decode(self, batch: list[RequestState]) -> None:
         plain = []
-        for a in batch:
-            if a.beam is not None:
-                self._beam_step(a)
+        for state in batch:
+            if state.beam is not None:
+                self._beam_step(state)
             else:
-                plain.append(a)
+                plain.append(state)
         if not plain:
             return
         if len(plain) == 1 and self._speculate(plain[0]):
             return
         logits, greedy = self.runner.decode(plain)
-        for i, a in enumerate(plain):
-            a.computed += 1
-            self._accept(a, logits[i], device_greedy=greedy[i] if greedy is not None else None)
+        for i, state in enumerate(plain):
+            state.computed += 1
+            self._accept(state, logits[i], device_greedy=greedy[i] if greedy is not None else None)
 
     def _accept(
         self,
-        a: RequestState,
+        state: RequestState,
         logits: torch.Tensor,
         first: bool = False,
         device_greedy: int | torch.Tensor | None = None,
-    ) -> None:
-        """The next token from `logits` [V], its text out as a delta, the end where it ends."""
-        req = a.request
+    ) -> int:
+        """The next token from `logits` [V] (returned), its text out as a delta, the end where it
+        ends."""
+        req = state.request
         token = self.chooser.choose(
-            logits, req.temperature, req.top_p, a.generator, a.forcing, device_greedy
+            logits, req.temperature, req.top_p, state.generator, state.forcing, device_greedy
         )
         if first:
-            a.first_token = time.monotonic()
+            state.first_token = time.monotonic()
             if req.return_logits:  # a copy: graph outputs are reused
-                a.first_logits = self.chooser.visible(logits).clone()
-        self._push(a, token)
-        if a.output.finished:
+                state.first_logits = self.chooser.visible(logits).clone()
+        self._push(state, token)
+        if state.output.finished:
             self.counters.completed += 1
-            self._finish(a, a.output.finish_reason)
+            self._finish(state, state.output.finish_reason)
+        return token
 
-    def _push(self, a: RequestState, token: int) -> None:
-        delta = a.output.push(token)
-        a.tokens.append(token)
+    def _push(self, state: RequestState, token: int) -> None:
+        delta = state.output.push(token)
+        state.tokens.append(token)
         if delta:
-            self._emit(a, Event(a.request.id, "delta", text=delta))
+            self._emit(state, Event(state.request.id, "delta", text=delta))
 
     # -- decoding strategies ----------------------------------------------------------------------
-    def _speculate(self, a: RequestState) -> bool:
+    def _speculate(self, state: RequestState) -> bool:
         """One speculative step for a lone sequence; False (nothing done) where it does not apply
-        (switched off, CUDA graphs, sampling, healed text still to write, no draft)."""
-        if not self.options.speculative or self.runner.graphs is not None:
+        (switched off, no lean rows forward, sampling, healed text still to write, no draft)."""
+        req, output = state.request, state.output
+        if not (self.speculates and self.speculation.applies(req.temperature, state.forcing)):
             return False
-        if not self.speculation.applies(a):
-            return False
-        return self.speculation.step(a, self.runner.verify, self._accept)
+        start = state.computed
+        room = min(state.room - start, output.max_tokens - output.completion_tokens)
 
-    def _start_beam_search(self, a: RequestState, logits: torch.Tensor) -> bool:
+        def verify(rows: list[int]) -> torch.Tensor | None:
+            return self.runner.verify(state, rows)
+
+        def accept(row: int, logits: torch.Tensor) -> int | None:
+            state.computed = start + row + 1  # the rows up to this one had the right inputs
+            token = self._accept(state, logits)
+            return None if output.finished else token
+
+        return self.speculation.step(state.tokens, room, req.stop_at_eos, verify, accept) > 0
+
+    def _start_beam_search(self, state: RequestState, logits: torch.Tensor) -> bool:
         """Begin a beam search from the prompt's logits; False (greedy instead) where it does not
         apply: sampling, or no lean CPU path for the beams (CUDA graphs, an fp8 KV pool)."""
-        req = a.request
-        if req.temperature >= GREEDY_BELOW or not self.runner.beams_apply():
+        req = state.request
+        if req.temperature >= GREEDY_BELOW or not self.runner.lean_rows_apply():
             return False
         search = BeamSearch(
             self.tokenizer,
             req.beams,
-            a.output.max_tokens,
+            state.output.max_tokens,
             req.stop,
             req.stop_at_eos,
             req.forced_text,
-            self.chooser.vocab_limit,
+            self.chooser,
         )
-        a.first_logits = logits.clone() if req.return_logits else None
-        a.beam = BeamRun(search, self.model.config.num_layers)
-        if not a.beam.start(logits):
-            self._end_beam_search(a)
+        state.first_logits = logits.clone() if req.return_logits else None
+        state.beam = BeamRun(search, self.model.config.num_layers)
+        if not state.beam.start(logits):
+            self._end_beam_search(state)
         return True
 
-    def _beam_step(self, a: RequestState) -> None:
+    def _beam_step(self, state: RequestState) -> None:
         def forward(tokens, tails):
-            return self.runner.beam_step(a, tokens, tails)
+            return self.runner.beam_step(state, tokens, tails)
 
-        if not a.beam.step(forward):
-            self._end_beam_search(a)
+        if not state.beam.step(forward):
+            self._end_beam_search(state)
 
-    def _end_beam_search(self, a: RequestState) -> None:
+    def _end_beam_search(self, state: RequestState) -> None:
         """Release the chosen hypothesis through the output path (stops, healed text, budget as
         for greedy); the beams' own K/V were never in the pool, so only the prompt is cached."""
-        self._release_beam_answer(a, a.beam.answer())
+        self._release_beam_answer(state, state.beam.answer())
         self.counters.completed += 1
-        self._finish(a, a.output.finish_reason or "eos")
+        self._finish(state, state.output.finish_reason or "eos")
 
-    def _release_beam_answer(self, a: RequestState, tokens: list[int]) -> None:
-        a.beam = None
-        a.first_token = time.monotonic()  # the first text the client sees
+    def _release_beam_answer(self, state: RequestState, tokens: list[int]) -> None:
+        state.beam = None
+        state.first_token = time.monotonic()  # the first text the client sees
         for token in tokens:
-            self._push(a, token)
-            if a.output.finished:
+            self._push(state, token)
+            if state.output.finished:
                 break
 
     # -- endings ----------------------------------------------------------------------------------
-    def _end(self, a: RequestState, reason: str) -> None:
+    def _end(self, state: RequestState, reason: str) -> None:
         """A request the scheduler ended (cancelled, superseded, past its deadline, preempted)."""
-        if a.beam is not None and reason == "deadline":  # greedy's would end with what it has
-            self._release_beam_answer(a, a.beam.answer(partial=True))
-        self._finish(a, reason)
+        if state.beam is not None and reason == "deadline":  # greedy's would end with what it has
+            self._release_beam_answer(state, state.beam.answer(partial=True))
+        self._finish(state, reason)
 
-    def _finish(self, a: RequestState, reason: str) -> None:
-        if a.output is not None:
-            tail = a.output.finish(reason)
+    def _finish(self, state: RequestState, reason: str) -> None:
+        if state.output is not None:
+            tail = state.output.finish(reason)
             if tail:
-                self._emit(a, Event(a.request.id, "delta", text=tail))
-        self._release(a)
-        usage = request_usage(a, time.monotonic())
-        reason = a.output.finish_reason if a.output and a.output.finish_reason else reason
-        token_ids = list(a.output.token_ids) if a.output else None
+                self._emit(state, Event(state.request.id, "delta", text=tail))
+        self._release(state)
+        usage = request_usage(state, time.monotonic())
+        reason = (
+            state.output.finish_reason if state.output and state.output.finish_reason else reason
+        )
+        token_ids = list(state.output.token_ids) if state.output else None
         done = Event(
-            a.request.id,
+            state.request.id,
             "done",
             finish_reason=reason,
             usage=usage,
-            logits=a.first_logits,
+            logits=state.first_logits,
             token_ids=token_ids,
         )
-        self._emit(a, done)
+        self._emit(state, done)
 
-    def _refuse(self, a: RequestState, exc: Exception) -> None:
+    def _refuse(self, state: RequestState, exc: Exception) -> None:
         """A waiting request that cannot be admitted: only the engine's own refusals carry their
         code, any other exception is the engine's error."""
         if not isinstance(exc, RequestRefused):
-            log.exception("request %s could not be admitted", a.request.id, exc_info=exc)
+            log.exception("request %s could not be admitted", state.request.id, exc_info=exc)
         code = exc.code if isinstance(exc, RequestRefused) else ErrorCode.ENGINE_ERROR
-        self._emit(a, Event(a.request.id, "error", error=str(exc), code=code))
+        self._emit(state, Event(state.request.id, "error", error=str(exc), code=code))
         self.counters.failed += 1
 
-    def _fail(self, a: RequestState, message: str) -> None:
-        self._release(a)
+    def _fail(self, state: RequestState, message: str) -> None:
+        self._release(state)
         self.counters.failed += 1
-        self._emit(a, Event(a.request.id, "error", error=message, code=ErrorCode.ENGINE_ERROR))
+        self._emit(
+            state, Event(state.request.id, "error", error=message, code=ErrorCode.ENGINE_ERROR)
+        )
 
-    def _release(self, a: RequestState) -> None:
-        self.scheduler.release(a)
+    def _release(self, state: RequestState) -> None:
+        self.scheduler.release(state)
 
-    def _emit(self, a: RequestState, event: Event) -> None:
+    def _emit(self, state: RequestState, event: Event) -> None:
         try:
-            a.on_event(event)
+            state.on_event(event)
         except Exception:  # noqa: BLE001 - a broken client callback must not stop the engine
-            log.exception("event callback failed for request %s", a.request.id)
+            log.exception("event callback failed for request %s", state.request.id)

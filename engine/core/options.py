@@ -6,8 +6,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.request import Request, token_budget
-
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -40,13 +38,6 @@ class EngineOptions:
         where a larger pool would only cost memory."""
         options = cls(**choices)
         return replace(options, num_blocks=max(1, -(-tokens // options.block_size)))
-
-    @classmethod
-    def one_shot(cls, request: Request, context_length: int, **choices) -> EngineOptions:
-        """For one request (`wd-engine generate`, the expert-parallel entry point): a pool that
-        holds just it, and no CUDA graphs, whose capture takes longer than one request gains."""
-        choices.setdefault("cuda_graphs", False)
-        return cls.holding(token_budget(request, context_length).total, **choices)
 
     def chunk_for(self, device: torch.device) -> int:
         if self.prefill_chunk is not None:

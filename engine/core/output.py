@@ -102,11 +102,11 @@ class OutputSetup:
     def __init__(self, tokenizer: Tokenizer, device: torch.device):
         self.tokenizer, self.device = tokenizer, device
 
-    def __call__(self, a: RequestState, budget: TokenBudget) -> None:
-        req = a.request
-        a.output = OutputAssembler(
+    def __call__(self, state: RequestState, budget: TokenBudget) -> None:
+        req = state.request
+        state.output = OutputAssembler(
             self.tokenizer, budget.completion, req.stop, req.stop_at_eos, skip_text=req.forced_text
         )
-        a.forcing = forcing_for(self.tokenizer, req.forced_text)
+        state.forcing = forcing_for(self.tokenizer, req.forced_text)
         if req.seed is not None:
-            a.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+            state.generator = torch.Generator(device=self.device).manual_seed(req.seed)

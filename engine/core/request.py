@@ -13,14 +13,18 @@ from engine.ipc.protocol import MAX_BEAMS, ErrorCode
 
 
 class RequestRefused(RuntimeError):
-    """A request the engine can never run; `code` is the error code its event carries."""
+    """A request the engine can never run; `code` is the error code its event carries, `param`
+    the request parameter at fault where there is one (the OpenAI endpoint reports it)."""
 
     code: ErrorCode = ErrorCode.ENGINE_ERROR
+    param: str | None = None
 
-    def __init__(self, message: str, code: ErrorCode | None = None):
+    def __init__(self, message: str, code: ErrorCode | None = None, param: str | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        if param is not None:
+            self.param = param
 
 
 class BadRequest(RequestRefused):
@@ -32,11 +36,15 @@ class BadRequest(RequestRefused):
 class EmptyPrompt(BadRequest):
     """A request without a prompt token: there is nothing to continue."""
 
+    param = "prompt"
+
 
 class ContextExceeded(RequestRefused):
-    """A prompt the model's context cannot hold together with at least one new token."""
+    """A prompt the model's context cannot hold together with at least one new token (or, where
+    the request asks for it, its whole max_tokens: then `param` is "max_tokens")."""
 
     code = ErrorCode.CONTEXT_EXCEEDED
+    param = "prompt"
 
 
 class PoolFull(RequestRefused):
@@ -53,15 +61,17 @@ def check_prompt(prompt_tokens: int, context_length: int, max_tokens: int | None
     the whole budget must fit: the OpenAI contract, where a request is refused rather than cut."""
     if prompt_tokens <= 0:
         raise EmptyPrompt("the prompt is empty")
+    # The whole budget first: OpenAI clients trim their prompt on "maximum context length".
+    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
+        raise ContextExceeded(
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{prompt_tokens} and max_tokens asks for {max_tokens}",
+            param="max_tokens",
+        )
     if prompt_tokens >= context_length:
         raise ContextExceeded(
             f"the prompt has {prompt_tokens} tokens; the model's context is {context_length}, "
             "which must also hold a new token"
-        )
-    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
-        raise ContextExceeded(
-            f"this model's maximum context length is {context_length} tokens; the prompt has "
-            f"{prompt_tokens} and max_tokens asks for {max_tokens}"
         )
 
 
@@ -94,7 +104,7 @@ def token_budget(request: Request, context_length: int) -> TokenBudget:
     prompt = len(request.prompt_ids)
     if request.warm_only:
         return TokenBudget(prompt, 0, 0)
-    forced = min(len(request.forced_text.encode()), context_length - prompt)
+    forced = max(min(len(request.forced_text.encode()), context_length - prompt), 0)
     completion = max(min(request.max_tokens, context_length - prompt - forced), 0)
     return TokenBudget(prompt, forced, completion)
 

@@ -50,7 +50,7 @@ class ModelRunner:
             model.device,
             options.kv_fp8,
         )
-        model.prepare_lone_decode()  # CPU: at engine start, not in the first completion
+        model.prepare_lean_decode()  # CPU: at engine start, not in the first completion
         self.graphs = None  # CUDA: decode steps and short prompt tails replay captured graphs
         if options.cuda_graphs and model.device.type == "cuda" and cfg.sliding_window is None:
             from engine.model.cuda_graph import DecodeGraphs
@@ -65,61 +65,58 @@ class ModelRunner:
                 time.monotonic() - t0,
             )
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def beams_apply(self) -> bool:
-        """Whether a beam search can run: its beams' lean forward reads the prompt's K/V in place
-        (no fp8 pool) on the CPU's lean path, never inside captured graphs."""
-        return self.graphs is None and not self.pool.fp8 and self.model.lone_path_applies()
+    def lean_rows_apply(self) -> bool:
+        """Whether a few rows of one sequence run on the lean CPU forward (a draft's verify, a beam
+        search's beams): it reads the pool's K/V in place (no fp8 pool), never inside captured
+        graphs."""
+        return self.graphs is None and not self.pool.fp8 and self.model.lean_path_applies()
 
     def prefill(
-        self, a: RequestState, start: int, end: int
+        self, state: RequestState, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute prompt tokens [start, end): the last row's logits [V], and its greedy id where
         the device already took it."""
-        prompt = a.request.prompt_ids
-        a.table.prepare_write(start, end)
+        prompt = state.request.prompt_ids
+        state.table.prepare_write(start, end)
         if self.graphs is not None and end - start <= self.graphs.max_rows:
             # A short tail after a cache hit: one graph replay, a row per new token.
             logits, greedy = self.graphs.run(
-                prompt[start:end], list(range(start, end)), [a.table.blocks] * (end - start)
+                prompt[start:end], list(range(start, end)), [state.table.blocks] * (end - start)
             )
             return logits[-1], greedy[-1]
         device = self.model.device
         tokens = torch.tensor([prompt[start:end]], device=device)
         positions = torch.arange(start, end, device=device)[None]
-        view = PagedBatch(self.pool, [a.table.blocks], device)
+        view = PagedBatch(self.pool, [state.table.blocks], device)
         return self.model.forward(tokens, positions, view, last_only=True)[0, -1], None
 
     def decode(self, batch: list[RequestState]) -> tuple[torch.Tensor, list[int] | None]:
         """One token of each sequence: logits [B, V], and the greedy ids where the device took
         them."""
-        for a in batch:
-            a.table.prepare_write(a.computed, a.computed + 1)
+        for state in batch:
+            state.table.prepare_write(state.computed, state.computed + 1)
         if self.graphs is not None and len(batch) <= self.graphs.max_rows:
             logits, greedy = self.graphs.run(
-                [a.tokens[-1] for a in batch],
-                [a.computed for a in batch],
-                [a.table.blocks for a in batch],
+                [state.tokens[-1] for state in batch],
+                [state.computed for state in batch],
+                [state.table.blocks for state in batch],
             )
             return logits, greedy.tolist()  # one device-to-host copy for the whole batch
         device = self.model.device
-        tokens = torch.tensor([[a.tokens[-1]] for a in batch], device=device)
-        positions = torch.tensor([[a.computed] for a in batch], device=device)
-        view = PagedBatch(self.pool, [a.table.blocks for a in batch], device)
+        tokens = torch.tensor([[state.tokens[-1]] for state in batch], device=device)
+        positions = torch.tensor([[state.computed] for state in batch], device=device)
+        view = PagedBatch(self.pool, [state.table.blocks for state in batch], device)
         return self.model.forward(tokens, positions, view)[:, -1], None
 
-    def verify(self, a: RequestState, rows: list[int]) -> torch.Tensor | None:
+    def verify(self, state: RequestState, rows: list[int]) -> torch.Tensor | None:
         """A draft's rows (the last token, then the draft) on the lean path, written from
         `a.computed` on: logits [rows, V], or None where the lean path declines."""
-        a.table.prepare_write(a.computed, a.computed + len(rows))
-        view = PagedBatch(self.pool, [a.table.blocks], self.model.device)
-        return self.model.forward_tail(rows, a.computed, view)
+        state.table.prepare_write(state.computed, state.computed + len(rows))
+        view = PagedBatch(self.pool, [state.table.blocks], self.model.device)
+        return self.model.forward_tail(rows, state.computed, view)
 
-    def beam_step(self, a: RequestState, tokens: list[int], tails: BeamTails) -> torch.Tensor:
+    def beam_step(self, state: RequestState, tokens: list[int], tails: BeamTails) -> torch.Tensor:
         """The beams' new tokens over the prompt's shared blocks (never written) and their own
         tails: logits [beams, V]."""
-        view = PagedBatch(self.pool, [a.table.blocks], self.model.device)
-        return self.model.forward_beams(tokens, a.computed + tails.length, view, tails)
+        view = PagedBatch(self.pool, [state.table.blocks], self.model.device)
+        return self.model.forward_beams(tokens, state.computed + tails.length, view, tails)

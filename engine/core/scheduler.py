@@ -103,120 +103,132 @@ class Scheduler:
         """The sequences of this decode step: all of them when they fit in `max_batch`, else each
         owner's oldest first (its n-th after every other owner's (n-1)-th), so that one client's
         many requests cannot keep another's out of the batch."""
-        decoding = [a for a in self.running if a.decoding]
+        decoding = [state for state in self.running if state.decoding]
         if len(decoding) <= self.max_batch:
             return decoding
         seen: Counter = Counter()
         ranked = []
-        for a in sorted(decoding, key=lambda a: a.order):
-            ranked.append(((seen[a.owner], a.order), a))
-            seen[a.owner] += 1
-        return [a for _, a in sorted(ranked, key=lambda pair: pair[0])[: self.max_batch]]
+        for state in sorted(decoding, key=lambda state: state.order):
+            ranked.append(((seen[state.owner], state.order), state))
+            seen[state.owner] += 1
+        return [state for _, state in sorted(ranked, key=lambda pair: pair[0])[: self.max_batch]]
 
     # -- blocks ----------------------------------------------------------------------------------
-    def prompt_computed(self, a: RequestState) -> None:
+    def prompt_computed(self, state: RequestState) -> None:
         """The whole prompt's K/V are in the pool: shareable from now on."""
         if self.prefix_cache:
-            self.allocator.register(a.table.blocks, a.request.prompt_ids)
+            self.allocator.register(state.table.blocks, state.request.prompt_ids)
 
-    def release(self, a: RequestState) -> None:
+    def release(self, state: RequestState) -> None:
         """Take a request out of service and free its blocks (again: nothing)."""
-        if a in self.waiting:
-            self.waiting.remove(a)
-        if a in self.running:
-            self.running.remove(a)
-        if a.table is not None:
+        if state in self.waiting:
+            self.waiting.remove(state)
+        if state in self.running:
+            self.running.remove(state)
+        if state.table is not None:
             # Whatever was computed stays reusable: a superseded warm-up still warms.
             if self.prefix_cache:
-                self.allocator.register(a.table.blocks, a.tokens[: a.computed], partial=True)
-            a.table.free()
-            a.table = None
+                self.allocator.register(
+                    state.table.blocks, state.tokens[: state.computed], partial=True
+                )
+            state.table.free()
+            state.table = None
 
     # -- arrivals and endings --------------------------------------------------------------------
     def _arrive(self, arrivals: list[RequestState], cancels: list[tuple[str, str]]) -> None:
-        for a in arrivals:
+        for state in arrivals:
             self.counters.requests += 1
-            if a.request.client is not None:
+            if state.request.client is not None:
                 for other in self.waiting + self.running:
-                    if other.request.client == a.request.client and other.cancel_reason is None:
+                    if other.request.client == state.request.client and other.cancel_reason is None:
                         other.cancel_reason = "superseded"
-            self.waiting.append(a)
+            self.waiting.append(state)
         for request_id, reason in cancels:
-            for a in self.waiting + self.running:
-                if a.request.id == request_id and a.cancel_reason is None:
-                    a.cancel_reason = reason
+            for state in self.waiting + self.running:
+                if state.request.id == request_id and state.cancel_reason is None:
+                    state.cancel_reason = reason
 
     def _end_cancelled(self, ended: list) -> None:
         now = time.monotonic()
-        for a in list(self.waiting) + list(self.running):
-            deadline = a.request.deadline_s
-            if a.cancel_reason is None and deadline is not None and now - a.submitted > deadline:
-                a.cancel_reason = "deadline"
-            if a.cancel_reason is not None:
+        for state in list(self.waiting) + list(self.running):
+            deadline = state.request.deadline_s
+            if (
+                state.cancel_reason is None
+                and deadline is not None
+                and now - state.submitted > deadline
+            ):
+                state.cancel_reason = "deadline"
+            if state.cancel_reason is not None:
                 self.counters.cancelled += 1
-                self.release(a)
-                ended.append((a, a.cancel_reason))
+                self.release(state)
+                ended.append((state, state.cancel_reason))
 
     # -- admission -------------------------------------------------------------------------------
     def _admit(self, ended: list) -> None:
         # Owner -> KV blocks its running completions took; warm-ups do not count: any completion
         # preempts them.
         held = Counter()
-        for a in self.running:
-            if not a.request.warm_only:
-                held[a.owner] += self._blocks(a)
-        waiting = Counter(a.owner for a in self.waiting)  # owner -> its requests still waiting
-        running = Counter(a.owner for a in self.running)
+        for state in self.running:
+            if not state.request.warm_only:
+                held[state.owner] += self._blocks(state)
+        # Owner -> its requests still waiting.
+        waiting = Counter(state.owner for state in self.waiting)
+        running = Counter(state.owner for state in self.running)
         still = len(self.waiting)
-        for a in self._admission_order():
-            waiting[a.owner] -= 1
+        for state in self._admission_order():
+            waiting[state.owner] -= 1
             still -= 1
             # The share holds only while another owner has requests waiting or running: a lone
             # client may use the whole pool.
-            others = still - waiting[a.owner] + len(self.running) - running[a.owner]
+            others = still - waiting[state.owner] + len(self.running) - running[state.owner]
             before = len(self.running)
             try:
-                admitted = self._try_admit(a, held[a.owner] if others else 0, ended)
+                admitted = self._try_admit(state, held[state.owner] if others else 0, ended)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
-                self._refuse(a)
-                ended.append((a, exc))
+                self._refuse(state)
+                ended.append((state, exc))
                 continue
             if len(self.running) != before:  # warm-ups were preempted
                 running = Counter(r.owner for r in self.running)
             if admitted:
-                self.waiting.remove(a)
-                self.running.append(a)
-                running[a.owner] += 1
-                if not a.request.warm_only:
-                    held[a.owner] += self._blocks(a)
+                self.waiting.remove(state)
+                self.running.append(state)
+                running[state.owner] += 1
+                if not state.request.warm_only:
+                    held[state.owner] += self._blocks(state)
             else:  # it waits on: the share holds for the owners after it
-                waiting[a.owner] += 1
+                waiting[state.owner] += 1
                 still += 1
 
-    def _refuse(self, a: RequestState) -> None:
+    def _refuse(self, state: RequestState) -> None:
         """Take out a waiting request that cannot be admitted; nothing of it was computed."""
-        self.waiting.remove(a)
-        if a.table is not None:
-            a.table.free()
-            a.table = None
+        self.waiting.remove(state)
+        if state.table is not None:
+            state.table.free()
+            state.table = None
 
     def _admission_order(self) -> list[RequestState]:
         """Completions before warm-ups; then round-robin across owners (an owner's n-th request in
         service, running or waiting, goes after every other owner's (n-1)-th); then arrival."""
-        in_service = Counter(a.owner for a in self.running)
+        in_service = Counter(state.owner for state in self.running)
         queued: Counter = Counter()
         ranked = []
-        for a in sorted(self.waiting, key=lambda a: a.order):
-            kind = (a.owner, a.request.warm_only)
-            ranked.append(((a.request.warm_only, in_service[a.owner] + queued[kind], a.order), a))
+        for state in sorted(self.waiting, key=lambda state: state.order):
+            kind = (state.owner, state.request.warm_only)
+            ranked.append(
+                (
+                    (state.request.warm_only, in_service[state.owner] + queued[kind], state.order),
+                    state,
+                )
+            )
             queued[kind] += 1
-        return [a for _, a in sorted(ranked, key=lambda pair: pair[0])]
+        return [state for _, state in sorted(ranked, key=lambda pair: pair[0])]
 
-    def _blocks(self, a: RequestState) -> int:
-        return -(-a.room // self.block_size)
+    def _blocks(self, state: RequestState) -> int:
+        return -(-state.room // self.block_size)
 
-    def _try_admit(self, a: RequestState, owner_blocks: int, ended: list) -> bool:
-        req, bs = a.request, self.block_size
+    def _try_admit(self, state: RequestState, owner_blocks: int, ended: list) -> bool:
+        req, bs = state.request, self.block_size
         prompt = req.prompt_ids
         check_request(req, self.context_length)
         budget = token_budget(req, self.context_length)
@@ -228,11 +240,10 @@ class Scheduler:
                 f"but the pool has {self.allocator.num_blocks}"
             )
         if owner_blocks and owner_blocks + needed > self.owner_block_limit:
-            return (
-                False  # its owner holds its share of the pool: wait until one of its requests ends
-            )
+            # Its owner holds its share of the pool: wait until one of its requests ends.
+            return False
         if not req.warm_only:
-            self.prepare(a, budget)
+            self.prepare(state, budget)
         # Keep at least the last prompt token to compute: its logits give the first new token.
         shared, cached = [], 0
         if self.prefix_cache:
@@ -249,37 +260,40 @@ class Scheduler:
         if fresh > self.allocator.available():
             self.allocator.release(shared)  # wait for running requests to finish
             return False
-        a.table = BlockTable(self.allocator, self.pool, shared)
-        a.table.grow_to(total)
+        state.table = BlockTable(self.allocator, self.pool, shared)
+        state.table.grow_to(total)
         if cached % bs:
-            a.table.prepare_write(cached, cached + 1)  # copy it now, while the block is counted
-        a.tokens = list(prompt)
-        a.computed = a.cached = cached
-        a.room = total
-        a.started = time.monotonic()
+            state.table.prepare_write(cached, cached + 1)  # copy it now, while the block is counted
+        state.tokens = list(prompt)
+        state.computed = state.cached = cached
+        state.room = total
+        state.started = time.monotonic()
         self.counters.prompt_tokens += len(prompt)
-        self.counters.cache_hit_tokens += a.cached
+        self.counters.cache_hit_tokens += state.cached
         return True
 
     def _preempt_warms(self, wanted: int, ended: list) -> None:
-        for a in [a for a in self.running if a.request.warm_only]:
+        for state in [state for state in self.running if state.request.warm_only]:
             if self.allocator.available() >= wanted:
                 return
-            self.release(a)
-            ended.append((a, "preempted"))
+            self.release(state)
+            ended.append((state, "preempted"))
 
     # -- prefill turns ---------------------------------------------------------------------------
     def _next_prefill(self) -> PrefillChunk | None:
         """Completions before warm-ups; among them, round-robin across owners: the owner whose
         last chunk is longest ago (or never was) goes next, its oldest request first."""
-        pending = [a for a in self.running if not a.decoding]
+        pending = [state for state in self.running if not state.decoding]
         if not pending:
             return None
         turns = self._prefill_turns
-        chosen = min(pending, key=lambda a: (a.request.warm_only, turns.get(a.owner, -1), a.order))
+        chosen = min(
+            pending,
+            key=lambda state: (state.request.warm_only, turns.get(state.owner, -1), state.order),
+        )
         turns[chosen.owner] = next(self._turns)
         if len(turns) > 4 * len(self.running) + 64:  # forget owners that have nothing running
-            live = {a.owner for a in self.running}
+            live = {state.owner for state in self.running}
             self._prefill_turns = {owner: t for owner, t in turns.items() if owner in live}
         end = min(len(chosen.request.prompt_ids), chosen.computed + self.prefill_chunk)
         return PrefillChunk(chosen, chosen.computed, end)

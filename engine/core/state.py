@@ -37,6 +37,7 @@ class RequestState:
     started: float = 0.0  # admitted
     first_token: float = 0.0
     prefill_s: float = 0.0
+    prompt_done: float = 0.0  # its last prefill chunk ran: decoding starts
 
     @property
     def decoding(self) -> bool:

@@ -20,14 +20,18 @@ class Counters:
         return asdict(self)
 
 
-def request_usage(a: RequestState, now: float) -> dict:
-    """A finished request's tokens and times (ms from its submission)."""
+def request_usage(state: RequestState, now: float) -> dict:
+    """A finished request's tokens and times: `first_token_ms` and `total_ms` from its
+    submission; `decode_ms` from the end of its prompt's prefill to its end (0 where the prompt
+    never finished), the time its tokens after the first took: a beam search releases its first
+    token only at its end."""
     return dict(
-        prompt_tokens=len(a.request.prompt_ids),
-        cached_tokens=a.cached,
-        completion_tokens=a.output.completion_tokens if a.output else 0,
-        queue_ms=1000 * ((a.started or now) - a.submitted),
-        prefill_ms=1000 * a.prefill_s,
-        first_token_ms=1000 * (a.first_token - a.submitted) if a.first_token else None,
-        total_ms=1000 * (now - a.submitted),
+        prompt_tokens=len(state.request.prompt_ids),
+        cached_tokens=state.cached,
+        completion_tokens=state.output.completion_tokens if state.output else 0,
+        queue_ms=1000 * ((state.started or now) - state.submitted),
+        prefill_ms=1000 * state.prefill_s,
+        first_token_ms=1000 * (state.first_token - state.submitted) if state.first_token else None,
+        decode_ms=1000 * (now - state.prompt_done) if state.prompt_done else 0.0,
+        total_ms=1000 * (now - state.submitted),
     )

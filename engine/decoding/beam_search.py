@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.decoding.sampling import forbid
+from engine.decoding.sampling import TokenChooser
 from engine.decoding.token_healing import Forcing, forcing_for
-from engine.ipc.protocol import MAX_BEAMS
 from engine.loading.tokenizer import Tokenizer
 
 
@@ -39,9 +38,8 @@ class Hypothesis:
     score: float  # sum of the log-probabilities of its tokens
     tokens: list[int]  # the forced tokens, then the completion's
     forcing: Forcing | None
-    forced_tokens: int = (
-        0  # of `tokens`, those written while the healed text was not yet all written
-    )
+    # Of `tokens`, those written while the healed text was not yet all written.
+    forced_tokens: int = 0
 
 
 class BeamTails:
@@ -87,17 +85,18 @@ class BeamSearch:
         stop=(),
         stop_at_eos: bool = True,
         forced_text: str = "",
-        vocab_limit: int | None = None,
+        chooser: TokenChooser | None = None,
     ):
-        if not 1 <= width <= MAX_BEAMS:
-            raise ValueError(f"beam width must be within 1..{MAX_BEAMS}, got {width}")
+        """`width` is within 1..MAX_BEAMS, as every request is checked on admission
+        (engine.core.request.check_request); `chooser` constrains each token as greedy's, by
+        default to what the tokenizer may write."""
         self.tokenizer = tokenizer
         self.width = width
         self.max_tokens = max_tokens
         self.stop = tuple(s for s in stop if s)
         self.ending = set(tokenizer.eos_ids) if stop_at_eos else set()
         self.forced_text = forced_text
-        self.vocab_limit = vocab_limit
+        self.chooser = chooser or TokenChooser(tokenizer.unsampled_ids, None)
         self.live = [Hypothesis(0.0, [], forcing_for(tokenizer, forced_text))]
         self.best: Hypothesis | None = None  # the best finished one with text
         self.best_blank: Hypothesis | None = None  # the answer only if nothing else finishes
@@ -112,10 +111,7 @@ class BeamSearch:
         None when the search is over (then `answer()`)."""
         candidates = []
         for row, hyp in enumerate(self.live):
-            scores = logits[row, : self.vocab_limit] if self.vocab_limit else logits[row]
-            scores = forbid(scores.float(), self.tokenizer.unsampled_ids)
-            if hyp.forcing is not None and hyp.forcing.active:
-                scores = hyp.forcing.mask(scores)
+            scores = self.chooser.constrain(logits[row].float(), hyp.forcing)
             # Twice the width, so that hypotheses finishing here leave enough to go on with.
             top = torch.topk(F.log_softmax(scores, dim=-1), min(2 * self.width, scores.shape[-1]))
             for value, token in zip(top.values.tolist(), top.indices.tolist()):
@@ -140,9 +136,8 @@ class BeamSearch:
                 self._finished(hyp, text)
             else:
                 kept.append((row, hyp))
-        kept = [
-            (row, hyp) for row, hyp in kept if self._may_win(hyp.score)
-        ]  # a later finish may beat them
+        # A later finish may beat them.
+        kept = [(row, hyp) for row, hyp in kept if self._may_win(hyp.score)]
         self.live = [hyp for _, hyp in kept]
         if not kept:
             return None

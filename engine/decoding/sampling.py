@@ -59,6 +59,15 @@ class TokenChooser:
         """logits [..., V] without the padded ids."""
         return logits[..., : self.vocab_limit] if self.vocab_limit is not None else logits
 
+    def constrain(self, logits: torch.Tensor, forcing: Forcing | None = None) -> torch.Tensor:
+        """logits [..., V] with every id the request may not write next made impossible: past
+        the vocabulary (cut off), never sampled, or breaking the healed text while `forcing` is
+        active."""
+        logits = forbid(self.visible(logits), self.unsampled_ids)
+        if forcing is not None and forcing.active:
+            logits = forcing.mask(logits)
+        return logits
+
     def choose(
         self,
         logits: torch.Tensor,
@@ -69,16 +78,14 @@ class TokenChooser:
         device_greedy: int | torch.Tensor | None = None,
     ) -> int:
         """The token for logits [V]; advances `forcing` by it."""
-        logits = self.visible(logits)
-        if device_greedy is not None and int(device_greedy) in self.unsampled_ids:
-            device_greedy = None  # the device's argmax does not know the forbidden ids
         forced = forcing is not None and forcing.active
-        if forced:
-            logits, device_greedy = forcing.mask(logits), None  # nor the constraint
+        # The device's argmax knows neither the forbidden ids nor the constraint.
+        if forced or (device_greedy is not None and int(device_greedy) in self.unsampled_ids):
+            device_greedy = None
         if device_greedy is not None and temperature < GREEDY_BELOW:
             token = int(device_greedy)
         else:
-            logits = forbid(logits, self.unsampled_ids)
+            logits = self.constrain(logits, forcing)
             token = int(sample(logits[None], temperature, top_p, generator))
         if forced:
             forcing.advance(token)

@@ -3,12 +3,9 @@
 A draft (engine.decoding.prompt_lookup) is verified by one lean forward over [last token] + draft,
 and the tokens greedy decoding would have produced go out one by one through the usual output
 path: row j's logits give the next token; the next row counts only if its input, the draft's
-token j, is that token. The sequence's `computed` grows by the rows whose input was right, so
-K/V written for rejected draft tokens lie past it and are never read, nor registered in the
-prefix cache.
-
-`seq` is a running request as the engine keeps it (engine.core.state.RequestState): its tokens,
-`computed`, the `room` its blocks hold, its request, output and healing constraint.
+token j, is that token. The caller counts a sequence's computed tokens up to the rows whose input
+was right, so K/V written for rejected draft tokens lie past them and are never read, nor
+registered in the prefix cache.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import torch
 
 from engine.decoding.prompt_lookup import draft, writable_prefix
 from engine.decoding.sampling import GREEDY_BELOW
+from engine.decoding.token_healing import Forcing
 
 
 class Speculation:
@@ -29,39 +27,41 @@ class Speculation:
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of them, those greedy decoding wrote
 
-    def applies(self, seq) -> bool:
+    def applies(self, temperature: float, forcing: Forcing | None) -> bool:
         """Greedy, and no healed text left to write (a draft knows nothing of that constraint)."""
-        return seq.request.temperature < GREEDY_BELOW and not (
-            seq.forcing is not None and seq.forcing.active
-        )
+        return temperature < GREEDY_BELOW and not (forcing is not None and forcing.active)
 
     def step(
         self,
-        seq,
-        verify: Callable[[object, list[int]], torch.Tensor | None],
-        accept: Callable[[object, torch.Tensor], None],
-    ) -> bool:
-        """One verify forward (`verify(seq, rows)`: logits [rows, V], or None where the lean path
-        declines) and the accepted tokens through `accept`; False (nothing done) where there is no
-        draft or no verify."""
-        start = seq.computed
-        # Within the blocks taken at admission, and no more than the output can still take
-        # (the rows' tokens plus the bonus token).
-        remaining = seq.output.max_tokens - seq.output.completion_tokens
-        proposal = draft(seq.tokens, min(self.max_rows - 1, seq.room - start - 1, remaining - 1))
-        ending = self.ending_ids if seq.request.stop_at_eos else ()
-        proposal = writable_prefix(proposal, self.never_drafted, ending)
+        tokens: list[int],
+        room: int,
+        stop_at_eos: bool,
+        verify: Callable[[list[int]], torch.Tensor | None],
+        accept: Callable[[int, torch.Tensor], int | None],
+    ) -> int:
+        """One verify forward and its accepted tokens out; the number of rows released (0:
+        nothing done, where there is no draft or no verify).
+
+        `tokens`: the sequence's (prompt, then generated); `room`: tokens it may still take (its
+        blocks' and its output's, whichever is fewer). `verify(rows)`: logits [rows, V] of the
+        last token and the draft, or None where the lean path declines. `accept(row, logits)`
+        releases row's token and gives it, or None once the output has finished; the caller
+        counts the rows up to `row` as computed before it does."""
+        proposal = draft(tokens, min(self.max_rows - 1, room - 1))
+        proposal = writable_prefix(
+            proposal, self.never_drafted, self.ending_ids if stop_at_eos else ()
+        )
         if not proposal:
-            return False
-        rows = [seq.tokens[-1]] + proposal
-        logits = verify(seq, rows)
+            return 0
+        rows = [tokens[-1]] + proposal
+        logits = verify(rows)
         if logits is None:
-            return False
+            return 0
         self.drafted += len(proposal)
-        for j in range(len(rows)):
-            seq.computed = start + j + 1
-            accept(seq, logits[j])
-            if seq.output.finished or j == len(proposal) or seq.tokens[-1] != proposal[j]:
-                break
+        for j, drafted in enumerate(proposal):
+            token = accept(j, logits[j])
+            if token is None or token != drafted:
+                return j + 1
             self.accepted += 1
-        return True
+        accept(len(proposal), logits[-1])  # the whole draft was right: the last row's token too
+        return len(rows)

@@ -155,6 +155,11 @@ class EngineClient:
     def connected(self) -> bool:
         return self._writer is not None and not self._writer.is_closing()
 
+    def offers(self, feature: str) -> bool:
+        """Whether the connected engine's hello lists `feature` (protocol.FEATURES); an engine
+        that lists no features predates them and takes none of the optional parameters."""
+        return feature in P.hello_features(self.server_info)
+
     # -- connection -----------------------------------------------------------------------------
     async def connect(self, attempts: int = 3) -> dict:
         """Connect and greet; a daemon that was just killed can still accept for a moment and

@@ -11,6 +11,11 @@ The first request on a connection must be `hello` with {"version": PROTOCOL_VERS
 {"token": ...} on TCP), within a few seconds of connecting; anything else first is refused and
 the connection closed. Every error carries one of the codes below, never to be inferred from its
 message.
+
+The hello's result is the engine's health, its model ("model") and "features": a list of the
+optional request parameters this engine takes (`FEATURES`). A client sends such a parameter only
+where the engine lists its feature: an engine started by an older release (daemons stay
+resident) lists none, and refuses a parameter it does not know.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from enum import StrEnum
 import msgpack
 
 PROTOCOL_VERSION = 1
-# A beam search's rows go through one lean forward (engine.model.qwen3_moe.LONE_MAX_ROWS).
+# A beam search's rows go through one lean forward (engine.model.qwen3_moe.LEAN_MAX_ROWS).
 MAX_BEAMS = 8
+FEATURE_BEAMS = "beams"  # `complete` takes "beams" (beam search)
+FEATURES = (FEATURE_BEAMS,)  # what the hello's "features" lists
 MAX_FRAME_BYTES = 8 << 20  # a 5 MB file plus context fits; anything larger is refused
 # Frames before a connection's hello: a hello is small, and until it is checked (a TCP peer's
 # token) the peer may be anyone, who must not make the engine hold megabytes per connection.
@@ -32,6 +39,15 @@ MAX_HELLO_FRAME_BYTES = 64 << 10
 HEADER = struct.Struct(">I")
 
 METHODS = ("hello", "complete", "warm", "cancel", "stats", "health", "model_info", "shutdown")
+
+
+def hello_features(hello: dict | None) -> frozenset[str]:
+    """The features an engine's hello result lists; none for an engine from before they were
+    listed (or a result that is not what this protocol sends: nothing is taken on trust)."""
+    features = (hello or {}).get("features")
+    if not isinstance(features, list):
+        return frozenset()
+    return frozenset(f for f in features if isinstance(f, str))
 
 
 class ErrorCode(StrEnum):

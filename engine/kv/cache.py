@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 
-class LoneRows(NamedTuple):
+class LeanRows(NamedTuple):
     """Where a lean CPU forward of one sequence's new rows writes and reads (engine.model.lean_cpu).
 
     `slots`: the flat store slots the rows' K/V go to, one a row. `runs`: [start, end) slot ranges
@@ -19,10 +19,14 @@ class LoneRows(NamedTuple):
 
 
 class ModelCache(Protocol):
-    """What a forward asks of its cache argument."""
+    """What a forward asks of its cache argument.
+
+    The caches subclass it explicitly, so each method raises: one a cache forgets to implement
+    fails loudly instead of inheriting a silent `None`."""
 
     def reserve(self, length: int) -> None:
         """Make room for positions below `length`, or fail where the cache cannot hold them."""
+        raise NotImplementedError
 
     def attend(
         self,
@@ -35,12 +39,15 @@ class ModelCache(Protocol):
     ) -> torch.Tensor:
         """Store k, v [B, Hkv, T, D] at positions [B, T], then causal attention of q
         [B, Hq, T, D] over every key each row may see: [B, Hq, T, D]."""
+        raise NotImplementedError
 
-    def lone_rows(self, position: int, count: int) -> LoneRows | None:
+    def lean_rows(self, position: int, count: int) -> LeanRows | None:
         """For the lean CPU forward: `count` new tokens of one sequence at positions position..
         (0: only the runs of positions 0..position-1). None where this cache cannot serve that
         forward (several sequences, fp8 storage, a GPU, a gap of unwritten positions): the
         general path then runs."""
+        raise NotImplementedError
 
     def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's flat key and value stores [slots, Hkv, D], the ones `lone_rows` indexes."""
+        """Layer's flat key and value stores [slots, Hkv, D], the ones `lean_rows` indexes."""
+        raise NotImplementedError

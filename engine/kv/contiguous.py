@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv.cache import LoneRows, ModelCache
+from engine.kv.cache import LeanRows, ModelCache
 from kernels import reference as ref
 
 
@@ -51,14 +51,14 @@ class KVCache(ModelCache):
             self.values[layer][:, : self.used].transpose(1, 2),
         )
 
-    def lone_rows(self, position: int, count: int) -> LoneRows | None:
-        """`ModelCache.lone_rows`: the one row's slots are its positions, and positions
+    def lean_rows(self, position: int, count: int) -> LeanRows | None:
+        """`ModelCache.lean_rows`: the one row's slots are its positions, and positions
         0..position+count-1 are one run. None past a gap of unwritten slots."""
         if self.shape[0] != 1 or self.keys[0].device.type != "cpu" or position > self.used:
             return None
         self.reserve(position + count)
         self.used = max(self.used, position + count)
-        return LoneRows(list(range(position, position + count)), [(0, position + count)])
+        return LeanRows(list(range(position, position + count)), [(0, position + count)])
 
     def layer_stores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's key and value buffers of the one row, [capacity, Hkv, D] each."""

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.kv.cache import LoneRows, ModelCache
+from engine.kv.cache import LeanRows, ModelCache
 from kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
@@ -101,7 +101,7 @@ class PagedBatch(ModelCache):
         # Built at the first layer and shared by the rest: every layer sees the same positions.
         self._tables_i32 = self._lengths = self._row_runs = None
 
-    # Built on first use: a lean CPU forward (`lone_rows`) needs neither.
+    # Built on first use: a lean CPU forward (`lean_rows`) needs neither.
     @functools.cached_property
     def tables(self) -> torch.Tensor:  # [B, blocks]
         width = max(len(t) for t in self.block_tables)
@@ -120,19 +120,19 @@ class PagedBatch(ModelCache):
             raise AssertionError(f"block table covers {covered} tokens, forward needs {length}")
         self.kv_len = length
 
-    def lone_rows(self, position: int, count: int) -> LoneRows | None:
-        """`ModelCache.lone_rows` for one CPU sequence (e.g. a decode step's token, or a
+    def lean_rows(self, position: int, count: int) -> LeanRows | None:
+        """`ModelCache.lean_rows` for one CPU sequence (e.g. a decode step's token, or a
         speculative draft's verification): its rows' flat slots and the slot runs of positions
         0..position+count-1. None where the general path must run (several sequences, fp8
         storage, a GPU pool)."""
-        if not self._lone():
+        if not self._lean_applies():
             return None
         table, bs = self.block_tables[0], self.pool.block_size
         self.reserve(position + count)
         slots = [table[p // bs] * bs + p % bs for p in range(position, position + count)]
-        return LoneRows(slots, slot_runs(table, bs, position + count))
+        return LeanRows(slots, slot_runs(table, bs, position + count))
 
-    def _lone(self) -> bool:
+    def _lean_applies(self) -> bool:
         pool = self.pool
         return len(self.block_tables) == 1 and not pool.fp8 and pool.keys[0].device.type == "cpu"
 

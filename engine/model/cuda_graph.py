@@ -16,7 +16,9 @@ attention stays causal): a warm prompt's last few tokens run through the same gr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,16 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # 3: a warm prompt's usual tail (typed text + FIM token)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepKernels:
+    """The kernels a decode step launches. The defaults are the engine's; benchmarks pass others
+    (to time a stage without its kernel, or to compare kernels) when they build the step."""
+
+    attention: Callable = paged_decode_attention  # paged_decode_attention's signature
+    linear: Callable = F.linear  # the q/k/v and o projections
+    n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
+
+
 class DecodeStep:
     """One forward of `rows` query tokens against the paged KV cache, from static buffers."""
 
@@ -43,6 +55,7 @@ class DecodeStep:
         rows: int,
         max_blocks: int,
         vocab_limit: int | None = None,
+        kernels: StepKernels = StepKernels(),
     ):
         cfg = model.config
         device = model.device
@@ -53,15 +66,15 @@ class DecodeStep:
         self.tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
         self.lengths = torch.ones(rows, dtype=torch.int32, device=device)
         # The split count fixes the attention grid; each row's keys are shared out by its length.
-        self.n_splits = default_splits(rows, cfg.num_kv_heads, max_blocks * pool.block_size)
+        self.n_splits = kernels.n_splits or default_splits(
+            rows, cfg.num_kv_heads, max_blocks * pool.block_size
+        )
         if pool.fp8:  # k/v go to a scratch first, then through the pool's quantising write
             shape = (rows, cfg.num_kv_heads, cfg.head_dim)
             self.k_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.v_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.scratch_slots = torch.arange(rows, device=device)
-        # Benchmarks swap these out (to time a stage, or another kernel) before capture.
-        self.attention = paged_decode_attention
-        self.linear = F.linear  # the q/k/v and o projections
+        self.attention, self.linear = kernels.attention, kernels.linear
         self.logits: torch.Tensor | None = None  # [rows, V] fp32, written by each call
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits
 
@@ -178,10 +191,12 @@ class DecodeGraphs:
         vocab_limit: int | None = None,
         buckets=ROW_BUCKETS,
         capture: bool = True,
+        kernels: StepKernels = StepKernels(),
     ):
         max_blocks = -(-max_tokens // pool.block_size)
         self.steps = {
-            rows: DecodeStep(model, pool, rows, max_blocks, vocab_limit) for rows in buckets
+            rows: DecodeStep(model, pool, rows, max_blocks, vocab_limit, kernels)
+            for rows in buckets
         }
         self.capture = capture and model.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

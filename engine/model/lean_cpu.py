@@ -3,7 +3,7 @@
 On a small CPU a decode step's cost is memory traffic plus the fixed cost of each small op. This
 forward computes the decoder layer (engine.model.layer) in under a third of the general path's
 ops, over weight copies made for products of a few rows (`LeanLayer`, in the form the model's
-options name: engine.model.lone_matrices): each RMSNorm weight folded into the product that
+options name: engine.model.lean_matrices): each RMSNorm weight folded into the product that
 follows, RoPE of every head as one product, routing in Python, each chosen expert read once for
 the rows routed to it, the residual added inside the products. With fp32 weights it differs from
 the general path in rounding alone.
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.kv.cache import LoneRows, ModelCache
-from engine.model import lone_matrices
+from engine.kv.cache import LeanRows, ModelCache
+from engine.model import lean_matrices
 from engine.model.config import ModelConfig
 from engine.model.layer import LayerWeights
 from kernels import reference as ref
@@ -39,35 +39,35 @@ from kernels import reference as ref
 if TYPE_CHECKING:
     from engine.model.qwen3_moe import Qwen3MoeModel
 
-LoneMatrix = lone_matrices.Fp32Matrix | lone_matrices.Int8Matrix
+LeanMatrix = lean_matrices.Fp32Matrix | lean_matrices.Int8Matrix
 # Attention of one layer's rows: (layer index, q [..., Hq, D] scaled, k, v [..., Hkv, D]) -> the
 # rows' outputs [..., Hq, D], with `...` the rows' leading dimension (none for one row).
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The most rows one lean forward takes: a decode step's token and a speculative draft behind it,
 # or a beam search's beams (engine.ipc.protocol.MAX_BEAMS of them at most).
-LONE_MAX_ROWS = 9
+LEAN_MAX_ROWS = 9
 # With int8 weights, the logits within this much of a row's best are computed again in fp32
 # (`LeanCpu.logits`): over held-out decode steps the int8 lm_head moved the shipped model's
 # logits by well under half of it, so fp32's best stays among them; a step recomputes a handful.
-LONE_EXACT_MARGIN = 1.0
+LEAN_EXACT_MARGIN = 1.0
 
 
 @dataclass
 class LeanLayer:
     """What the lean forward reads of a layer, prepared once: its matrices in the form the
-    model's options name (engine.model.lone_matrices), each RMSNorm weight in front of a product
+    model's options name (engine.model.lean_matrices), each RMSNorm weight in front of a product
     folded into it, so a norm is one scalar per row."""
 
     # [Hq + Hkv, D]: q_norm (times attention's 1/sqrt(D)) per query head, k_norm per key head
     qk_norm: torch.Tensor
-    w_qkv: LoneMatrix  # [(Hq + 2 Hkv) D, H], input_norm folded in
+    w_qkv: LeanMatrix  # [(Hq + 2 Hkv) D, H], input_norm folded in
     b_qkv: torch.Tensor  # [(Hq + 2 Hkv) D], zeros without a bias
-    w_o: LoneMatrix  # [H, Hq D]
+    w_o: LeanMatrix  # [H, Hq D]
     # MoE: [E, H] fp32 in every form (routing is brittle), post_attention_norm folded in
     router: torch.Tensor | None
-    gate_up: tuple[LoneMatrix, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
-    down: tuple[LoneMatrix, ...]  # MoE, per expert [H, I]
+    gate_up: tuple[LeanMatrix, ...]  # MoE, per expert [2I, H], post_attention_norm folded in
+    down: tuple[LeanMatrix, ...]  # MoE, per expert [H, I]
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str) -> LeanLayer:
@@ -86,20 +86,20 @@ class LeanLayer:
         norm = layer.post_attention_norm
         return cls(
             qk_norm,
-            lone_matrices.matrix(form, layer.w_qkv, layer.input_norm),
+            lean_matrices.matrix(form, layer.w_qkv, layer.input_norm),
             b_qkv,
-            lone_matrices.matrix(form, layer.w_o),
+            lean_matrices.matrix(form, layer.w_o),
             (layer.router * norm) if moe else None,
-            tuple(lone_matrices.matrix(form, w, norm) for w in layer.w_gate_up) if moe else (),
-            tuple(lone_matrices.matrix(form, w) for w in layer.w_down) if moe else (),
+            tuple(lean_matrices.matrix(form, w, norm) for w in layer.w_gate_up) if moe else (),
+            tuple(lean_matrices.matrix(form, w) for w in layer.w_down) if moe else (),
         )
 
 
 class CacheRows:
     """Attention of new rows at the end of one sequence's cache: their K/V go to the slots
-    `lone_rows` gave, and row j sees the keys up to its own."""
+    `lean_rows` gave, and row j sees the keys up to its own."""
 
-    def __init__(self, cache: ModelCache, rows: LoneRows):
+    def __init__(self, cache: ModelCache, rows: LeanRows):
         self.cache, self.runs = cache, rows.runs
         # One row's K/V are written by plain indexing, rows' by one index_copy_.
         self.slots = rows.slots[0] if len(rows.slots) == 1 else torch.tensor(rows.slots)
@@ -111,7 +111,7 @@ class CacheRows:
         if q.dim() == 2:  # one row: it sees every key, so no mask is built
             keys[self.slots].copy_(k)
             values[self.slots].copy_(v)
-            return ref.attention_lone(q, key_runs, value_runs)
+            return ref.attention_lean(q, key_runs, value_runs)
         keys.index_copy_(0, self.slots, k)
         values.index_copy_(0, self.slots, v)
         return ref.attention_rows(q, key_runs, value_runs)
@@ -168,16 +168,16 @@ class LeanCpu:
             return
         model = self.model
         self.layers = [LeanLayer.of(layer, model.config, self.form) for layer in model.layers]
-        self._lm_head = lone_matrices.matrix(self.form, model.lm_head, model.final_norm)
-        self._input_dtype = lone_matrices.INPUT_DTYPE[self.form]
+        self._lm_head = lean_matrices.matrix(self.form, model.lm_head, model.final_norm)
+        self._input_dtype = lean_matrices.INPUT_DTYPE[self.form]
         self._eps = torch.tensor(model.config.rms_norm_eps)
 
     def tail(self, tokens: list[int], position: int, cache: ModelCache) -> torch.Tensor | None:
         """Logits [n, V] of one sequence's n new tokens at positions position.. (the end of its
         cache); None where the cache cannot serve it or there are too many rows."""
-        if len(tokens) > LONE_MAX_ROWS:
+        if len(tokens) > LEAN_MAX_ROWS:
             return None
-        rows = cache.lone_rows(position, len(tokens))
+        rows = cache.lean_rows(position, len(tokens))
         if rows is None:
             return None
         inv_freq = self.model.inv_freq
@@ -195,9 +195,9 @@ class LeanCpu:
         """Logits [B, V] of B beams' newest tokens, all at `position`: each beam sees the cache's
         positions below position - tails.length (the prompt), then its own tokens in `tails`.
         None where the cache cannot serve it or there are too many beams."""
-        if len(tokens) > LONE_MAX_ROWS:
+        if len(tokens) > LEAN_MAX_ROWS:
             return None
-        rows = cache.lone_rows(position - tails.length, 0)
+        rows = cache.lean_rows(position - tails.length, 0)
         if rows is None:
             return None
         rope = ref.rope_matrix(position, self.model.inv_freq)
@@ -211,7 +211,7 @@ class LeanCpu:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of normed rows h [n, H] (the final norm's weight not applied yet). With
-        int8 weights, every logit within LONE_EXACT_MARGIN of a row's best is computed again from
+        int8 weights, every logit within LEAN_EXACT_MARGIN of a row's best is computed again from
         the fp32 lm_head, so greedy picks as fp32 would unless int8's rounding moved a logit by
         half the margin; the rest stay int8's (sampling at a temperature sees them)."""
         self.prepare()
@@ -220,7 +220,7 @@ class LeanCpu:
             return logits
         logits = logits.float()
         rows, cols = torch.nonzero(
-            logits >= logits.amax(dim=-1, keepdim=True) - LONE_EXACT_MARGIN, as_tuple=True
+            logits >= logits.amax(dim=-1, keepdim=True) - LEAN_EXACT_MARGIN, as_tuple=True
         )
         model = self.model
         exact = torch.linalg.vecdot(model.lm_head[cols], (h * model.final_norm)[rows])
@@ -310,7 +310,7 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * (_inv_rms_one(x, eps) if x.dim() == 1 else _inv_rms_rows(x, eps))
 
 
-def _normed_product(w: LoneMatrix, add: torch.Tensor, x: torch.Tensor, eps: float):
+def _normed_product(w: LeanMatrix, add: torch.Tensor, x: torch.Tensor, eps: float):
     """add + (x RMS-normed) W^T for rows x [..., H], the norm's weight being folded into W."""
     if x.dim() == 1:
         return w.addmm(add, x, alpha=_inv_rms_one(x, eps))

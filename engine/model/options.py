@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model import lone_matrices
+from engine.model import lean_matrices
 
 MOE_PATHS = ("auto", "expert_centric", "output_centric")
 
@@ -29,10 +29,10 @@ class ModelOptions:
     # dispatcher on CUDA); the others force the torch reference's path for every layer.
     moe_path: str = "auto"
     # False: the CPU's small-batch steps run the general path too (for comparisons).
-    lone_decode: bool = True
-    # The lean CPU path's weights (engine.model.lone_matrices): "int8" or "fp32"; None takes this
+    lean_decode: bool = True
+    # The lean CPU path's weights (engine.model.lean_matrices): "int8" or "fp32"; None takes this
     # platform's default, which is what the field then holds.
-    lone_weights: str | None = None
+    lean_weights: str | None = None
     # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
     # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.
     moe_fn: MoeFn | None = None
@@ -40,9 +40,9 @@ class ModelOptions:
     def __post_init__(self):
         if self.moe_path not in MOE_PATHS:
             raise ValueError(f"moe_path is one of {MOE_PATHS}, not {self.moe_path!r}")
-        if self.lone_weights is None:
-            object.__setattr__(self, "lone_weights", lone_matrices.default_form())
-        elif self.lone_weights not in lone_matrices.FORMS:
+        if self.lean_weights is None:
+            object.__setattr__(self, "lean_weights", lean_matrices.default_form())
+        elif self.lean_weights not in lean_matrices.FORMS:
             raise ValueError(
-                f"lone_weights is one of {lone_matrices.FORMS}, not {self.lone_weights!r}"
+                f"lean_weights is one of {lean_matrices.FORMS}, not {self.lean_weights!r}"
             )

@@ -22,13 +22,13 @@ from engine.kv.contiguous import KVCache
 from engine.model import cpu_threads
 from engine.model.config import ModelConfig
 from engine.model.layer import LayerWeights, decoder_layer
-from engine.model.lean_cpu import LONE_MAX_ROWS, BeamKeys, LeanCpu
+from engine.model.lean_cpu import LEAN_MAX_ROWS, BeamKeys, LeanCpu
 from engine.model.options import ModelOptions
 from kernels import reference as ref
 
-# LONE_MAX_ROWS (engine.model.lean_cpu) is part of the model's interface: the engine sizes its
+# LEAN_MAX_ROWS (engine.model.lean_cpu) is part of the model's interface: the engine sizes its
 # speculative drafts and beams by it.
-__all__ = ["CPU_SMALL_MODEL_MAX_BYTES", "LONE_MAX_ROWS", "Qwen3MoeModel"]
+__all__ = ["CPU_SMALL_MODEL_MAX_BYTES", "LEAN_MAX_ROWS", "Qwen3MoeModel"]
 
 # The CPU's lean forward and its one-thread rule (engine.model.cpu_threads) are for small
 # models, whose steps are dominated by per-op cost: the lean forward's weight copies double the
@@ -59,7 +59,7 @@ class Qwen3MoeModel:
         self.small_on_cpu = (
             self.device.type == "cpu" and _weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
         )
-        self.lean = LeanCpu(self, self.options.lone_weights) if self._lean_applies() else None
+        self.lean = LeanCpu(self, self.options.lean_weights) if self._lean_applies() else None
 
     def with_options(self, **changes) -> Qwen3MoeModel:
         """This model with `changes` to its options (ModelOptions' fields), sharing its weight
@@ -79,7 +79,7 @@ class Qwen3MoeModel:
     def _lean_applies(self) -> bool:
         options = self.options
         return (
-            options.lone_decode
+            options.lean_decode
             and self.small_on_cpu
             and self.dtype == torch.float32
             and options.moe_fn is None
@@ -87,12 +87,12 @@ class Qwen3MoeModel:
             and self.config.sliding_window is None
         )
 
-    def lone_path_applies(self) -> bool:
+    def lean_path_applies(self) -> bool:
         """Whether the lean CPU forward runs: one sequence's decode steps, and the forwards of a
         few rows (`forward_tail`, `forward_beams`)."""
         return self.lean is not None
 
-    def prepare_lone_decode(self) -> None:
+    def prepare_lean_decode(self) -> None:
         """Build the lean CPU forward's weight copies now rather than in the first completion's
         first step; a no-op where that forward does not apply."""
         if self.lean is not None:
@@ -165,7 +165,7 @@ class Qwen3MoeModel:
         each beam sees the cache's positions 0..position-1 (the prompt, which every beam shares
         and none writes) and then its own tokens, whose K/V `tails`
         (engine.decoding.beam_search.BeamTails) holds and gains here. None where the lean forward
-        does not apply: callers search only where `lone_path_applies()`, else they decode
+        does not apply: callers search only where `lean_path_applies()`, else they decode
         greedily."""
         if self.lean is None:
             return None

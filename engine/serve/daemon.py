@@ -357,7 +357,8 @@ class EngineServer:
                 conn.send(P.error_message(rid, ErrorCode.UNAUTHORIZED, message))
                 return False
         conn.greeted = True
-        conn.send({"id": rid, "result": dict(self._health(), model=self.service.model_info())})
+        result = dict(self._health(), model=self.service.model_info(), features=list(P.FEATURES))
+        conn.send({"id": rid, "result": result})
         return True
 
     # -- requests -------------------------------------------------------------------------------

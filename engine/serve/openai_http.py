@@ -48,7 +48,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine.core.request import Event, Request, RequestRefused
+from engine.core.request import BadRequest, Event, Request, RequestRefused
 from engine.ipc import protocol as P
 from engine.ipc.protocol import ErrorCode
 from engine.serve.service import CompletionService
@@ -330,7 +330,7 @@ class OpenAIFrontend:
             else:
                 prompt = await self.service.prepare(p, whole_budget=True)
         except RequestRefused as exc:
-            raise _engine_error(exc.code, str(exc)) from exc
+            raise _refused(exc) from exc
         except (TypeError, ValueError) as exc:  # the client's input, as on the msgpack path
             raise _bad(str(exc), "prompt") from exc
         engine_request = self.service.make_request(
@@ -529,10 +529,23 @@ def _clean_text(text: str) -> str:
     return text if text.isascii() else LONE_SURROGATE.sub("\ufffd", text)
 
 
-def _engine_error(code: ErrorCode | str | None, message: str | None) -> ApiError:
-    """The answer to an engine error, by its code: never by its message."""
+def _engine_error(
+    code: ErrorCode | str | None, message: str | None, param: str | None = None
+) -> ApiError:
+    """The answer to an engine error, by its code (and the parameter at fault where it is
+    known): never by its message."""
     error = ENGINE_ERRORS.get(code, ENGINE_ERRORS[ErrorCode.ENGINE_ERROR])
-    return ApiError(error.status, message or "engine error", error.type, error.param, error.code)
+    return ApiError(
+        error.status, message or "engine error", error.type, param or error.param, error.code
+    )
+
+
+def _refused(exc: RequestRefused) -> ApiError:
+    """The answer to a request refused before it reached the engine. A bad parameter it names is
+    answered as the endpoint's own parameter checks are (param set, code null)."""
+    if isinstance(exc, BadRequest) and exc.param is not None:
+        return _bad(str(exc), exc.param)
+    return _engine_error(exc.code, str(exc), exc.param)
 
 
 async def _http_exception(request: HttpRequest, exc: HTTPException) -> JSONResponse:

@@ -144,10 +144,9 @@ class SparseMoe(nn.Module):
         )
 
     def route(self, x):
-        top_i, top_w = ref.route(x, self.gate.weight, self.top_k, self.norm_topk)
-        # The balance loss needs every expert's probability, which the routing does not return:
-        # the router's small [N, E] product once more, little beside the experts' work.
+        # Every expert's probability: the routing picks from them, the balance loss averages them.
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        top_i, top_w = ref.route_probs(probs, self.top_k, self.norm_topk)
         # Switch-style balance loss: experts' routed fraction times their mean router probability.
         routed = F.one_hot(top_i, self.n_experts).sum((0, 1)).float() / top_i.numel()
         aux = self.n_experts * (routed * probs.mean(0)).sum()

@@ -54,8 +54,8 @@ def test_batch_logits_match_transformers(checkpoint_factory, variant, moe_path):
 def test_greedy_32_tokens_identical(checkpoint_factory, variant):
     path = checkpoint_factory(**VARIANTS[variant])
     # fp32 decode steps: token for token as transformers, whose arithmetic they share up to
-    # rounding (int8 steps can flip a random model's near-ties; see test_lone_matrices).
-    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
+    # rounding (int8 steps can flip a random model's near-ties; see test_lean_matrices).
+    model = load_model(path, options=ModelOptions(lean_weights="fp32"))
     tokenizer = Tokenizer.from_dir(path)
     reference = load_reference(path)
     for prompt in PROMPTS[:2]:
@@ -78,7 +78,7 @@ def test_greedy_32_tokens_identical(checkpoint_factory, variant):
 @pytest.mark.parametrize("form", ["int8", "fp32"])
 def test_cli_prints_only_the_completion(checkpoint_factory, form):
     path = checkpoint_factory()
-    model = load_model(path, options=ModelOptions(lone_weights=form))
+    model = load_model(path, options=ModelOptions(lean_weights=form))
     tokenizer = Tokenizer.from_dir(path)
     ids = tokenizer.encode(PROMPTS[0])
     expected, _ = complete(model, tokenizer, ids, max_tokens=32)

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
-from checkpoints import lone_path_model
+from checkpoints import lean_path_model
 from engine_runs import complete
 
 from engine.core.engine import Engine
 from engine.core.options import EngineOptions
-from engine.core.request import Request
+from engine.core.request import BadRequest, Request, check_request
 from engine.decoding.beam_search import BeamSearch, BeamTails
-from engine.ipc.protocol import CompletionParams
+from engine.ipc.protocol import MAX_BEAMS, CompletionParams
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ def _rel(a, b):
 def test_forward_beams_matches_each_beam_computed_alone(variant, form):
     """Beams that share a prompt and differ after it: at every step each beam's logits equal the
     general path's over that beam's whole sequence, also after beams are dropped and duplicated."""
-    model = lone_path_model(variant, form)
+    model = lean_path_model(variant, form)
     c = model.config
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, c.vocab_size, (11,), generator=g).tolist()
@@ -75,9 +75,9 @@ def test_forward_beams_matches_each_beam_computed_alone(variant, form):
 
 
 def test_forward_beams_declines_where_it_does_not_apply():
-    model = lone_path_model("moe", "fp32")
+    model = lean_path_model("moe", "fp32")
     c = model.config
-    general = model.with_options(lone_decode=False)
+    general = model.with_options(lean_decode=False)
     tails = BeamTails(c.num_layers)
     assert general.forward_beams([1, 2], 4, general.new_cache(1, 8), tails) is None
     assert (
@@ -164,10 +164,12 @@ def test_search_keeps_the_healed_text_and_the_token_budget(shipped):
     assert steps <= 6  # the budget: at most 2 tokens after the healed text
 
 
-def test_width_must_fit_one_forward(shipped):
-    _, tok = shipped
-    with pytest.raises(ValueError):
-        BeamSearch(tok, 9, max_tokens=8)
+def test_width_must_fit_one_forward():
+    """Checked on admission (before any search starts) and on the wire."""
+    for beams in (0, MAX_BEAMS + 1):
+        with pytest.raises(BadRequest):
+            check_request(Request([5], beams=beams), context_length=64)
+    check_request(Request([5], beams=MAX_BEAMS), context_length=64)
     with pytest.raises(ValueError):
         CompletionParams.from_params({"prefix": "x", "beams": 0})
     with pytest.raises(ValueError):
@@ -188,7 +190,7 @@ SUFFIX = '\n\n\ndef main():\n    lines = read_lines("in.txt")\n    write_lines("
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkeypatch):
     shipped_model, tok = shipped
-    model = shipped_model.with_options(lone_weights=form)
+    model = shipped_model.with_options(lean_weights=form)
     rows = []  # the beams of every search step: proof that the search ran, not greedy
     lean = model.forward_beams
     monkeypatch.setattr(
@@ -231,9 +233,8 @@ def test_a_beam_request_cancelled_midway_ends_cleanly(shipped):
     prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
     engine = Engine(model, tok)
     events = []
-    rid = engine.submit(
-        Request(prompt, max_tokens=24, beams=4), events.append
-    )  # no stop: a long search
+    # No stop: a long search.
+    rid = engine.submit(Request(prompt, max_tokens=24, beams=4), events.append)
     engine.step()  # the prompt
     engine.step()  # one beam step
     engine.cancel(rid)
@@ -258,27 +259,25 @@ def test_a_deadline_during_the_search_ends_with_the_likeliest_line_so_far(shippe
     request.deadline_s = 0.0
     engine.run_until_idle()
     assert events[-1].kind == "done" and events[-1].finish_reason == "deadline"
-    assert "".join(
-        e.text for e in events if e.kind == "delta"
-    )  # what the search had, as greedy would
+    # What the search had, as greedy would.
+    assert "".join(e.text for e in events if e.kind == "delta")
     assert engine.scheduler.allocator.stats().blocks_used == 0
 
 
 def test_beams_fit_one_lean_forward():
-    from engine.ipc.protocol import MAX_BEAMS
-    from engine.model.qwen3_moe import LONE_MAX_ROWS
+    from engine.model.qwen3_moe import LEAN_MAX_ROWS
 
-    assert MAX_BEAMS <= LONE_MAX_ROWS
+    assert MAX_BEAMS <= LEAN_MAX_ROWS
 
 
 def test_a_plain_cache_gives_the_prompt_run_and_refuses_a_gap():
-    model = lone_path_model("moe", "fp32")
+    model = lean_path_model("moe", "fp32")
     cache = model.new_cache(1, 4)
     model.forward(torch.tensor([[3, 1, 4]]), torch.arange(3)[None], cache)
-    assert cache.lone_rows(3, 0)[1] == [(0, 3)]  # a beam search's shared prompt
-    slots, runs = cache.lone_rows(3, 2)  # two new rows
+    assert cache.lean_rows(3, 0)[1] == [(0, 3)]  # a beam search's shared prompt
+    slots, runs = cache.lean_rows(3, 2)  # two new rows
     assert slots == [3, 4] and runs == [(0, 5)] and cache.capacity >= 5
-    assert cache.lone_rows(7, 0) is None  # positions 5 and 6 were never written
+    assert cache.lean_rows(7, 0) is None  # positions 5 and 6 were never written
 
 
 def test_sampling_requests_ignore_beams(shipped):
@@ -320,7 +319,7 @@ def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
         "--max-tokens",
         "24",
     ]
-    if model.options.lone_weights == "fp32":
+    if model.options.lean_weights == "fp32":
         args += ["--cpu-decode-weights", "fp32"]
     result = subprocess.run(args + ["--beams", "4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -346,3 +345,24 @@ def test_an_fp8_kv_pool_decodes_greedily_instead(shipped):
         assert events[-1].kind == "done"
         texts.append("".join(e.text for e in events if e.kind == "delta"))
     assert texts[0] == texts[1]
+
+
+def test_stats_of_a_beam_request_rate_its_decode_time(shipped):
+    """A beam search releases its text at its end, so the time after the first token is about
+    nothing: the rate comes from the decode time (prompt's end to the request's end)."""
+    from engine.cli import _stats_line
+
+    model, tok = shipped
+    prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
+    _, done = complete(
+        model, tok, prompt, max_tokens=24, forced_text=healed_text(tok, PREFIX), beams=4
+    )
+    usage = done.check().usage
+    assert len(done.token_ids) > 1
+    # Within the request's own time, after its queue and prefill; longer than the time after
+    # the released first token, which a beam search reaches only at its end.
+    assert 0 < usage["decode_ms"] <= usage["total_ms"] - usage["queue_ms"] - usage["prefill_ms"]
+    assert usage["decode_ms"] > usage["total_ms"] - usage["first_token_ms"]
+    rate = float(_stats_line(0.0, done).split("decode ")[1].split(" tok/s")[0])
+    expected = (len(done.token_ids) - 1) / (usage["decode_ms"] / 1000)
+    assert math.isfinite(rate) and rate == pytest.approx(expected, abs=0.05)

@@ -444,3 +444,18 @@ def test_the_ipc_package_imports_neither_torch_nor_the_rest_of_the_engine():
         "assert not outside and not heavy, (outside, heavy)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_features_come_from_the_hello_and_an_older_engine_offers_none(tmp_path):
+    """What a client may send beyond the base protocol is read from the engine's hello: an
+    engine whose hello lists no features (an older daemon) offers none of them."""
+    client = EngineClient(socket_path=tmp_path / "engine.sock")
+    assert not client.offers(P.FEATURE_BEAMS)  # not connected: no hello yet
+    for hello, offered in (
+        ({"model": {"name": "m"}}, False),  # an engine from before features were listed
+        ({"features": "beams"}, False),  # not a list: nothing is taken on trust
+        ({"features": []}, False),
+        ({"features": list(P.FEATURES)}, True),
+    ):
+        client.server_info = hello
+        assert client.offers(P.FEATURE_BEAMS) is offered

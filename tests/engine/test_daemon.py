@@ -59,11 +59,15 @@ async def test_two_clients_share_one_spawned_daemon(daemon_env):
     a, b = make_client(daemon_env), make_client(daemon_env)
     info_a, info_b = await asyncio.gather(connect(daemon_env, a), connect(daemon_env, b))
     assert info_a["pid"] == info_b["pid"]
+    # The hello lists what this engine takes beyond the base protocol: clients send beams on it.
+    assert info_a["features"] == list(P.FEATURES) and a.offers(P.FEATURE_BEAMS)
     health = await b.request("health")
     assert health["clients"] == 2
     for c in (a, b):
         text, result = await collect(c, dict(FIM, max_tokens=6))
         assert result["finish_reason"] in ("length", "eos", "stop")
+    _, result = await collect(a, dict(FIM, max_tokens=6, beams=2, stop=["\n"]))
+    assert result["finish_reason"] in ("length", "eos", "stop")
     await a.close()
     await b.close()
 

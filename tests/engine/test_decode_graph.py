@@ -13,7 +13,7 @@ from engine.core.request import Request
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
-from engine.model.cuda_graph import DecodeGraphs, DecodeStep
+from engine.model.cuda_graph import DecodeGraphs, DecodeStep, StepKernels
 
 BLOCK = 4
 
@@ -129,6 +129,30 @@ def test_rows_of_one_sequence_are_causal(tiny):
     logits, greedy = graphs.run(tokens[10:], [10, 11, 12], [table] * 3)
     assert logits.shape[0] == 3
     assert _max_rel(logits, expected[0]) < 1e-4
+
+
+def test_kernels_chosen_at_construction_are_the_ones_the_step_runs(tiny):
+    """Another projection and split count (as the benchmarks pass) give the default's logits."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(1, model.config.vocab_size, (9,), generator=g).tolist()
+    table = [6, 1, 13]
+    pool = _pool(model)
+    _prefill(model, pool, table, tokens[:8])
+    calls = []
+
+    def counted_linear(x, w, b=None):
+        calls.append(w.shape)
+        return torch.nn.functional.linear(x, w, b)
+
+    default = DecodeGraphs(model, _clone(pool), max_tokens=64, buckets=(1,))
+    splits = default.steps[1].n_splits + 1
+    chosen = StepKernels(linear=counted_linear, n_splits=splits)
+    other = DecodeGraphs(model, _clone(pool), max_tokens=64, buckets=(1,), kernels=chosen)
+    assert other.steps[1].n_splits == splits
+    results = [graphs.run(tokens[8:], [8], [table])[0].clone() for graphs in (default, other)]
+    assert len(calls) == 2 * model.config.num_layers  # the q/k/v and o projections of each layer
+    assert _max_rel(results[1], results[0]) < 1e-5
 
 
 def test_vocab_limit_masks_padded_ids(tiny):

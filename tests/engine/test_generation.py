@@ -1,11 +1,15 @@
 """Streaming, stopping and sampling, through the engine as `wd-engine generate` runs it."""
 
+import io
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from engine_runs import complete
 
 from engine.core.engine import Engine
-from engine.core.options import EngineOptions
 from engine.core.request import (
     BadRequest,
     ContextExceeded,
@@ -13,6 +17,7 @@ from engine.core.request import (
     Request,
     RequestFailed,
     check_request,
+    token_budget,
 )
 from engine.decoding.sampling import sample
 from engine.decoding.stops import StopMatcher
@@ -66,9 +71,7 @@ def test_streamed_deltas_concatenate_to_the_text(tiny):
     request = Request(
         tokenizer.encode("for i in"), max_tokens=16, temperature=0.8, seed=3, stop_at_eos=False
     )
-    engine = Engine(
-        model, tokenizer, EngineOptions.one_shot(request, model.config.max_position_embeddings)
-    )
+    engine = Engine.for_one_request(model, tokenizer, request)
     deltas = []
     done = engine.complete(request, lambda e: deltas.append(e.text) if e.kind == "delta" else None)
     assert deltas and "".join(deltas) == done.text
@@ -130,3 +133,61 @@ def test_prompt_too_long_empty_or_too_many_beams_are_refused_by_code(tiny):
     # With room for one new token the prompt runs, and ends at the context ("length").
     text, done = complete(model, tokenizer, [5] * (context - 1), max_tokens=8)
     assert done.check().finish_reason in ("length", "eos") and done.completion_tokens <= 1
+
+
+def test_a_prompt_longer_than_the_context_has_no_negative_budget():
+    budget = token_budget(Request([5] * 20, forced_text="abc"), context_length=16)
+    assert (budget.forced, budget.completion) == (0, 0)
+    budget = token_budget(Request([5] * 10, forced_text="abc", max_tokens=8), context_length=16)
+    assert (budget.forced, budget.completion) == (3, 3)
+
+
+class _ClosedAfter(io.StringIO):
+    """Standard output whose reader goes after `size` characters (`| head -c size`)."""
+
+    def __init__(self, size: int, fd: int):
+        super().__init__()
+        self.size, self.fd = size, fd
+
+    def write(self, text: str) -> int:
+        if self.tell() + len(text) > self.size:
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_generate_cancels_its_request_when_its_reader_goes(
+    checkpoint_factory, monkeypatch, tmp_path
+):
+    from engine import cli
+
+    finished = []
+    complete = Engine.complete
+    monkeypatch.setattr(
+        Engine, "complete", lambda *a, **k: finished.append(complete(*a, **k)) or finished[-1]
+    )
+    with open(tmp_path / "stdout", "w") as file:
+        monkeypatch.setattr(sys, "stdout", _ClosedAfter(3, file.fileno()))
+        argv = ["generate", "--model", str(checkpoint_factory()), "--prompt", "def f(x):"]
+        argv += ["--max-tokens", "200", "--temperature", "1", "--seed", "1"]
+        assert cli.main(argv) == 1
+    (done,) = finished
+    assert done.finish_reason == "cancelled" and done.completion_tokens < 200
+
+
+def test_generate_exits_quietly_when_its_reader_goes(checkpoint_factory):
+    """`wd-engine generate ... | head -c 3`: exit 1, as an unhandled EPIPE would, without a
+    traceback (the reader is gone before the first text, so this never races the completion)."""
+    read, write = os.pipe()
+    os.close(read)
+    command = [sys.executable, "-m", "engine.cli", "generate", "--model", str(checkpoint_factory())]
+    command += ["--prompt", "def f(x):", "--max-tokens", "400", "--temperature", "1", "--seed", "1"]
+    try:
+        result = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "callback failed" not in err

@@ -42,7 +42,7 @@ def test_cache_hits_give_cold_logits(tiny):
     tiny_model, tok = tiny
     # A hit computes its last tokens on the lean path: in fp32 it differs from the cold prefill
     # in rounding alone, so a stale or misplaced cached K/V would show.
-    model = tiny_model.with_options(lone_weights="fp32")
+    model = tiny_model.with_options(lean_weights="fp32")
     prompt = tok.encode(CODE)
     assert len(prompt) > 40
     cold_engine = small_engine(model, tok)

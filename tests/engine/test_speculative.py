@@ -4,7 +4,7 @@ the drafts, and the engine's output with speculation on against plain greedy dec
 import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
-from checkpoints import lone_path_model
+from checkpoints import lean_path_model
 from engine_runs import small_engine
 
 from engine.core.engine import Engine
@@ -40,7 +40,7 @@ def _row_diffs(lean, general):
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
 def test_forward_tail_matches_the_general_path(variant, form):
-    model = lone_path_model(variant, form)
+    model = lean_path_model(variant, form)
     c = model.config
     table = [5, 2, 3, 0, 4]  # out of order: the keys lie in several runs of slots
     g = torch.Generator().manual_seed(0)
@@ -88,14 +88,14 @@ def test_forward_tail_declines_where_it_does_not_apply():
     )  # two sequences
     fp8 = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
     assert model.forward_tail([1, 2], 0, PagedBatch(fp8, [[0]], "cpu")) is None
-    general = model.with_options(lone_decode=False)
+    general = model.with_options(lean_decode=False)
     assert general.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 def test_forward_tail_on_the_shipped_model(form):
     d = default_model_dir()
-    model, tok = load_model(d, options=ModelOptions(lone_weights=form)), Tokenizer.from_dir(d)
+    model, tok = load_model(d, options=ModelOptions(lean_weights=form)), Tokenizer.from_dir(d)
     c = model.config
     ids = tok.encode(CODE)
     table = [3, 0, 7, 1, 2]
@@ -155,14 +155,14 @@ def test_a_draft_stops_where_decoding_could_not_follow():
 @pytest.fixture(scope="module")
 def tiny(checkpoint_factory):
     path = checkpoint_factory()
-    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
+    model = load_model(path, options=ModelOptions(lean_weights="fp32"))
     return model, Tokenizer.from_dir(path)
 
 
 @pytest.fixture(scope="module")
 def shipped():
     d = default_model_dir()
-    model = load_model(d, options=ModelOptions(lone_weights="fp32"))
+    model = load_model(d, options=ModelOptions(lean_weights="fp32"))
     return model, Tokenizer.from_dir(d)
 
 
@@ -292,7 +292,7 @@ def test_healing_then_speculation(shipped):
 def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
     model, tok = shipped
     # The cached K/V are checked against a fresh prefill's to fp32 rounding: the lean path in fp32.
-    assert model.options.lone_weights == "fp32"
+    assert model.options.lean_weights == "fp32"
     prompt = tok.encode(REPETITIVE)
     cold, _ = run(
         Engine(model, tok, EngineOptions(speculative=False, prefix_cache=False)),
@@ -342,3 +342,21 @@ def test_an_spm_prompt_never_drafts_its_control_tokens(shipped):
     )
     assert_same(plain, spec)
     assert drafted and not any(set(d) & set(tok.unsampled_ids) for d in drafted)
+
+
+def test_no_draft_is_made_where_the_verify_forward_cannot_run(tiny):
+    """An fp8 KV pool (as CUDA graphs or a model without the lean path) has no lean rows forward:
+    the engine never speculates there, so the prompt-lookup scan and its writes are not wasted."""
+    model, tok = tiny
+    assert Engine(model, tok, EngineOptions()).speculates
+    assert not Engine(model, tok, EngineOptions(speculative=False)).speculates
+    engine = Engine(model, tok, EngineOptions(kv_fp8=True))
+    assert not engine.speculates
+
+    def no_step(*args):
+        raise AssertionError("speculated without a verify forward")
+
+    engine.speculation.step = no_step
+    text, done = run(engine, Request(tok.encode(REPETITIVE), max_tokens=12, stop_at_eos=False))
+    assert done.kind == "done" and done.usage["completion_tokens"] == 12
+    assert engine.stats()["draft_tokens"] == 0

@@ -138,7 +138,7 @@ def test_engine_and_single_generation_heal_alike(checkpoint_factory):
     path = checkpoint_factory()
     # The batch decodes on the general path, a lone generation on the lean one: in fp32 they
     # differ in rounding alone (int8 lean steps can flip a random model's near-ties).
-    model = load_model(path, options=ModelOptions(lone_weights="fp32"))
+    model = load_model(path, options=ModelOptions(lean_weights="fp32"))
     tok = Tokenizer.from_dir(path)
     engine = small_engine(model, tok)
     prefixes = ["def add(a, b):\n    ", "import o", "for i in range(", "x = [1, 2, 3]\nprint(x"]

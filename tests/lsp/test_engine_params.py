@@ -3,18 +3,31 @@
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from engine.ipc.client import EngineError
-from engine.ipc.protocol import CompletionParams
+from engine.ipc.protocol import FEATURES, CompletionParams
 from wd_lsp.config import Settings, merge_settings
 from wd_lsp.engine_link import EngineAnswer, EngineLink
 from wd_lsp.shape import StopRules
 
 
 class RecordingClient:
-    """Stands in for the engine: records the parameters, answers one line."""
+    """Stands in for a current engine: its hello lists this release's features; it records the
+    parameters and answers one line."""
+
+    connected = False
 
     def __init__(self):
         self.params = []
+        self.hello = {"model": {"name": "m"}, "features": list(FEATURES)}
+
+    async def connect(self):
+        self.connected = True
+        return self.hello
+
+    def disconnect(self):
+        self.connected = False
 
     async def complete(self, params, reconnect=True):
         self.params.append(params)
@@ -31,15 +44,17 @@ class OneLine:
         pass
 
 
-def _asked(settings: Settings, rules: StopRules) -> dict:
+def _link(settings: Settings, client: RecordingClient) -> EngineLink:
+    """A link whose connection (and so the hello it reads) is `client`."""
     link = EngineLink(lambda *_: None, lambda *_: None)
     link.configure(settings)
+    link._make_client = lambda: client
+    return link
+
+
+def _asked(settings: Settings, rules: StopRules) -> dict:
     client = RecordingClient()
-
-    async def connected():
-        return client
-
-    link.ensure_connected = connected
+    link = _link(settings, client)
     ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
     answer = asyncio.run(link.complete(ctx, rules, "doc"))
     assert answer.text == "x = 1"
@@ -65,7 +80,12 @@ def test_bad_beam_settings_are_ignored_with_a_warning():
 
 
 class OldEngine(RecordingClient):
-    """An engine daemon started by an older wd-lsp: it refuses the 'beams' parameter."""
+    """An engine daemon started by an older wd-lsp: its hello lists no features, and it refuses
+    the 'beams' parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.hello = {"model": {"name": "m"}}
 
     async def complete(self, params, reconnect=True):
         self.params.append(dict(params))
@@ -75,20 +95,32 @@ class OldEngine(RecordingClient):
 
 
 def test_an_engine_that_predates_beams_gets_greedy_requests():
-    link = EngineLink(lambda *_: None, lambda *_: None)
-    link.configure(Settings())
+    """Decided from the hello, not from a refusal: such an engine is never sent beams."""
     engine = OldEngine()
-
-    async def connected():
-        return engine
-
-    link.ensure_connected = connected
+    link = _link(Settings(), engine)
     ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
     single = StopRules(multiline=False, stop_strings=("\n",))
     for _ in range(2):
         assert asyncio.run(link.complete(ctx, single, "doc")).text == "x = 1"
-    # Refused once, then asked again without it; the next request does not ask at all.
-    assert ["beams" in p for p in engine.params] == [True, False, False]
+    assert ["beams" in p for p in engine.params] == [False, False]
+
+
+def test_a_beams_refusal_from_a_current_engine_is_an_error_not_a_fallback():
+    """A current engine's "'beams' must be an integer in [1, 8]" is the client's error: it is
+    raised, not taken for an engine without beams (no message text is read)."""
+    engine = RecordingClient()
+    link = _link(Settings(), engine)
+
+    async def refuse(params, reconnect=True):
+        engine.params.append(dict(params))
+        raise EngineError("bad_request", "'beams' must be an integer in [1, 8]")
+
+    engine.complete = refuse
+    ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
+    single = StopRules(multiline=False, stop_strings=("\n",))
+    with pytest.raises(EngineError):
+        asyncio.run(link.complete(ctx, single, "doc"))
+    assert [p.get("beams") for p in engine.params] == [2]  # asked once, with beams, not retried
 
 
 class SmallContextEngine:

@@ -208,15 +208,30 @@ async def test_the_prompt_and_max_tokens_must_fit_the_context(stub):
     here) and all of max_tokens fit the stub's 512-token context, or the request is a 400."""
     stub.engine.script = [Event("", "done", finish_reason="length", usage={})]
     assert (await post(stub, max_tokens=509)).status_code == 200
+    over_budget = {
+        "message": "this model's maximum context length is 512 tokens; the prompt has 3 and "
+        "max_tokens asks for 510",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "context_length_exceeded",
+    }
     response = await post(stub, max_tokens=510)
+    assert response.status_code == 400 and response.json()["error"] == over_budget
+    # A token-id prompt as long as the context: the same answer, with the phrase clients look for.
+    response = await post(stub, prompt=[7] * 512, max_tokens=1)
     assert response.status_code == 400
-    error = response.json()["error"]
-    assert (
-        error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
-    )
-    for ids, code in (([7] * 512, "context_length_exceeded"), ([], "bad_request")):
-        response = await post(stub, prompt=ids, max_tokens=1)
-        assert response.status_code == 400 and response.json()["error"]["code"] == code
+    assert response.json()["error"] == over_budget | {
+        "message": "this model's maximum context length is 512 tokens; the prompt has 512 and "
+        "max_tokens asks for 1"
+    }
+    response = await post(stub, prompt=[], max_tokens=1)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "the prompt is empty",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
     response = await post(stub, prompt=[7, 100], max_tokens=1)  # the stub's vocabulary is 100
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert stub.frontend.inflight == 0

@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 # The single process computes as the ranks do: on the general path (the ranks' MoE is a
 # collective, so their lean CPU path never applies), not on the lean one, whose rounding may turn
 # a random model's near-tie the other way.
-GENERAL = ModelOptions(lone_decode=False)
+GENERAL = ModelOptions(lean_decode=False)
 TIMEOUT_S = 120
 # Ranks and the single process sum the experts in a different order: rounding-level differences
 # only.
@@ -97,7 +97,8 @@ def test_torchrun_entry_point_prints_rank0_completion(checkpoint_factory):
     path = checkpoint_factory()
     prompt = ep_scenarios.PROMPTS[0]
     model, tokenizer = load_model(path, options=GENERAL), Tokenizer.from_dir(path)
-    expected, _ = complete(model, tokenizer, tokenizer.encode(prompt), max_tokens=16)
+    # Encoded as `generate` encodes a prompt.
+    expected, _ = complete(model, tokenizer, tokenizer.encode_prompt(prompt), max_tokens=16)
     result = subprocess.run(
         [
             sys.executable,

@@ -4,22 +4,9 @@ Qwen3-MoE, and the training step traces as one graph (what `torch.compile` needs
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_training import TINY
 
-from engine.train.config import CONFIG
 from engine.train.model import Qwen3MoeLM
-
-TINY = {
-    **CONFIG,
-    "vocab_size": 96,
-    "hidden_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-}
 
 
 def _pair(seed=0):

@@ -18,6 +18,11 @@ from pathlib import Path
 from wd_lsp.config import Settings
 from wd_lsp.context import Budget
 
+FORWARDED_OPTIONS = """\
+Every other option (--files, --kinds, --orders, --beams, --details, ...) goes to the eval as
+given: `python -m engine.train.eval --help` lists them. The layout and the context cut
+(--layout, --server-max-tokens, --prefix-chars, --suffix-chars) are set here, after them."""
+
 
 def editor_context_chars(model_dir: Path, max_tokens: int) -> tuple[int, int]:
     """The prefix and suffix the language server sends the model, in characters."""
@@ -47,9 +52,11 @@ def eval_arguments(model_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=FORWARDED_OPTIONS,
     )
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True, help="the model directory")
     args, rest = ap.parse_known_args(argv)
     from engine.train import eval as heldout_eval
 

@@ -1,10 +1,10 @@
-"""The lean CPU forward's weight forms (engine/model/lone_matrices.py) against plain fp32 products,
+"""The lean CPU forward's weight forms (engine/model/lean_matrices.py) against plain fp32 products,
 on fresh random inputs, and the int8 form's exact best logits."""
 
 import pytest
 import torch
 
-from engine.model.lone_matrices import (
+from engine.model.lean_matrices import (
     FORMS,
     INPUT_DTYPE,
     Fp32Matrix,
@@ -107,20 +107,20 @@ def test_forms_are_named():
     w = _weights(8, 16)
     assert isinstance(matrix("int8", w), Int8Matrix) and isinstance(matrix("fp32", w), Fp32Matrix)
     assert set(FORMS) == set(INPUT_DTYPE)
-    with pytest.raises(ValueError, match="lone decode weights are one of"):
+    with pytest.raises(ValueError, match="lean decode weights are one of"):
         matrix("int4", w)
 
 
 def test_int8_logits_are_exact_where_greedy_looks():
     """The lm_head's int8 logits near a row's best are computed again in fp32: the best logit and
     its neighbours within the margin equal fp32's, so greedy picks what fp32 picks."""
-    from engine.model.lean_cpu import LONE_EXACT_MARGIN
+    from engine.model.lean_cpu import LEAN_EXACT_MARGIN
 
     model = random_model(
         dict(TINY, vocab_size=2048),
         dtype=torch.float32,
         seed=11,
-        options=ModelOptions(lone_weights="int8"),
+        options=ModelOptions(lean_weights="int8"),
     )
     g = torch.Generator().manual_seed(12)
     h = torch.randn(6, model.config.hidden_size, generator=g) * 3
@@ -128,7 +128,7 @@ def test_int8_logits_are_exact_where_greedy_looks():
     exact = (h * model.final_norm) @ model.lm_head.t()
     approx = matrix("int8", model.lm_head, model.final_norm).mm(h).float()
     assert got.shape == exact.shape == (6, 2048)
-    near = approx >= approx.amax(-1, keepdim=True) - LONE_EXACT_MARGIN
+    near = approx >= approx.amax(-1, keepdim=True) - LEAN_EXACT_MARGIN
     torch.testing.assert_close(got[near], exact[near], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[~near], approx[~near], rtol=0, atol=0)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
@@ -141,7 +141,7 @@ def test_each_form_computes_with_its_own_weights():
     base.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
     logits = {}
     for form in ("int8", "fp32", "int8"):
-        model = base.with_options(lone_weights=form)
+        model = base.with_options(lean_weights=form)
         cache.used = 3
         logits.setdefault(form, []).append(
             model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
@@ -157,7 +157,7 @@ def test_int8_is_the_default_only_where_it_was_measured(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert default_form() == "int8"
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32)
-    assert model.options.lone_weights == "int8"
+    assert model.options.lean_weights == "int8"
     for machine in ("arm64", "aarch64"):
         monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
         assert default_form() == "fp32"

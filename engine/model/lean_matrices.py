@@ -97,7 +97,7 @@ def matrix(
     form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None
 ) -> Fp32Matrix | Int8Matrix:
     if form not in FORMS:
-        raise ValueError(f"lone decode weights are one of {FORMS}, not {form!r}")
+        raise ValueError(f"lean decode weights are one of {FORMS}, not {form!r}")
     return Int8Matrix(w, in_scale) if form == "int8" else Fp32Matrix(w, in_scale)
 
 

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
-from checkpoints import lone_path_model
+from checkpoints import lean_path_model
 
 from engine.kv.pool import KVPool, PagedBatch
-from engine.model.lone_matrices import int8_available
+from engine.model.lean_matrices import int8_available
 from engine.model.options import ModelOptions
 from engine.model.random_model import TINY, random_model
 from kernels import reference as ref
@@ -30,14 +30,14 @@ def test_rope_matrix_equals_apply_rope():
 
 
 @pytest.mark.parametrize("run_lengths", [[9], [3, 16, 5]])
-def test_attention_lone_equals_attention_over_runs(run_lengths):
+def test_attention_lean_equals_attention_over_runs(run_lengths):
     g = torch.Generator().manual_seed(12)
     q = torch.randn(4, 16, generator=g)
     keys = [torch.randn(n, 2, 16, generator=g) for n in run_lengths]
     values = [torch.randn(n, 2, 16, generator=g) for n in run_lengths]
     seq = sum(run_lengths)
     expected = ref.attention_over_runs(q[:, None], keys, values, torch.tensor([seq - 1]))[:, 0]
-    out = ref.attention_lone(q * 16**-0.5, keys, values)
+    out = ref.attention_lean(q * 16**-0.5, keys, values)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -65,13 +65,13 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
     pick otherwise."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
-    models = (model, model.with_options(lone_decode=False))
-    assert models[0].lone_path_applies() and not models[1].lone_path_applies()
+    models = (model, model.with_options(lean_decode=False))
+    assert models[0].lean_path_applies() and not models[1].lean_path_applies()
     caches, tokens, diffs = [cache_for(), cache_for()], [[], []], []
     for cache in caches:
         model.forward(ids, torch.arange(prompt)[None], cache())
     nxt = [int(ids[0, -1])] * 2
-    form = model.options.lone_weights
+    form = model.options.lean_weights
     for pos in range(prompt, prompt + steps):
         logits = []
         for i, path in enumerate(models):
@@ -86,8 +86,8 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
 @pytest.mark.parametrize("variant", ["moe", "dense_and_untied", "bias"])
-def test_lone_decode_matches_general_path_paged(variant, form):
-    model = lone_path_model(variant, form)
+def test_lean_decode_matches_general_path_paged(variant, form):
+    model = lean_path_model(variant, form)
     c = model.config
     # Blocks out of order, so the keys lie in several runs of slots.
     table = [5, 2, 3, 0]
@@ -103,12 +103,12 @@ def test_lone_decode_matches_general_path_paged(variant, form):
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
-def test_lone_decode_matches_general_path_contiguous(form):
+def test_lean_decode_matches_general_path_contiguous(form):
     model = random_model(
         dict(TINY, vocab_size=512),
         dtype=torch.float32,
         seed=5,
-        options=ModelOptions(lone_weights=form),
+        options=ModelOptions(lean_weights=form),
     )
 
     def contiguous():
@@ -121,18 +121,40 @@ def test_lone_decode_matches_general_path_contiguous(form):
     assert agree == len(general) if form == "fp32" else agree >= len(general) - 2
 
 
-def test_lone_path_is_skipped_where_it_does_not_apply():
+def test_lean_path_is_skipped_where_it_does_not_apply():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=6)
     c = model.config
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu", fp8=True)
-    assert PagedBatch(pool, [[0, 1]], "cpu").lone_rows(3, 1) is None  # fp8 storage
+    assert PagedBatch(pool, [[0, 1]], "cpu").lean_rows(3, 1) is None  # fp8 storage
     pool = KVPool(c.num_layers, 4, 4, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    assert PagedBatch(pool, [[0], [1]], "cpu").lone_rows(3, 1) is None  # two rows
+    assert PagedBatch(pool, [[0], [1]], "cpu").lean_rows(3, 1) is None  # two rows
     cache = model.new_cache(1)
     cache.used = 5
-    assert cache.lone_rows(7, 1) is None  # positions 5 and 6 were never written
-    assert model.new_cache(2).lone_rows(0, 1) is None  # two rows
-    assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16).lone_path_applies()
+    assert cache.lean_rows(7, 1) is None  # positions 5 and 6 were never written
+    assert model.new_cache(2).lean_rows(0, 1) is None  # two rows
+    assert not random_model(dict(TINY, vocab_size=512), dtype=torch.bfloat16).lean_path_applies()
+
+
+def test_a_contiguous_cache_serves_a_rewrite_of_an_earlier_position():
+    model = random_model(
+        dict(TINY, vocab_size=512),
+        dtype=torch.float32,
+        seed=14,
+        options=ModelOptions(lean_weights="fp32"),
+    )
+    general = model.with_options(lean_decode=False)
+    g = torch.Generator().manual_seed(15)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=g)
+    token = torch.randint(0, model.config.vocab_size, (1, 1), generator=g)
+    lean_cache, general_cache = model.new_cache(1), model.new_cache(1)
+    model.forward(prompt, torch.arange(5)[None], lean_cache)
+    general.forward(prompt, torch.arange(5)[None], general_cache)
+    # The run stops at the rewritten position, so the stale keys at 3 and 4 are never read.
+    assert lean_cache.lean_rows(2, 1) == ([2], [(0, 3)])
+    assert model.lean_path_applies()
+    lean = model.forward(token, torch.tensor([[2]]), lean_cache)[0, -1]
+    expected = general.forward(token, torch.tensor([[2]]), general_cache)[0, -1]
+    assert 0 < _rel(lean, expected) < TOLERANCE["fp32"]  # > 0: the lean forward ran
 
 
 def test_short_cpu_forwards_leave_the_thread_count_as_they_found_it():
@@ -150,8 +172,8 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
 
     monkeypatch.setattr(model_module, "CPU_SMALL_MODEL_MAX_BYTES", 1000)
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=8)
-    assert not model.small_on_cpu and not model.lone_path_applies()
-    model.prepare_lone_decode()
+    assert not model.small_on_cpu and not model.lean_path_applies()
+    model.prepare_lean_decode()
     assert model.lean is None  # no second copy of a big model's weights
     threads_seen = []
     monkeypatch.setattr(
@@ -163,33 +185,33 @@ def test_a_model_past_the_small_size_runs_the_general_path_without_copies(monkey
     assert torch.isfinite(logits).all() and not threads_seen
 
 
-def test_path_switches_turn_the_lone_path_off():
+def test_path_switches_turn_the_lean_path_off():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=9)
-    assert model.lone_path_applies()
-    assert not model.with_options(moe_path="expert_centric").lone_path_applies()
-    assert not model.with_options(moe_fn=ref.moe_output_centric).lone_path_applies()
-    assert not model.with_options(lone_decode=False).lone_path_applies()
-    assert model.with_options(moe_path="auto").lone_path_applies()
+    assert model.lean_path_applies()
+    assert not model.with_options(moe_path="expert_centric").lean_path_applies()
+    assert not model.with_options(moe_fn=ref.moe_output_centric).lean_path_applies()
+    assert not model.with_options(lean_decode=False).lean_path_applies()
+    assert model.with_options(moe_path="auto").lean_path_applies()
 
 
 def test_options_are_fixed_and_another_model_shares_the_weights():
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=10)
-    fp32 = model.with_options(lone_weights="fp32")
-    assert fp32.options.lone_weights == "fp32" and fp32.options.moe_path == "auto"
+    fp32 = model.with_options(lean_weights="fp32")
+    assert fp32.options.lean_weights == "fp32" and fp32.options.moe_path == "auto"
     assert fp32.embed is model.embed and fp32.layers is model.layers
     assert fp32.lm_head is model.lm_head and fp32.final_norm is model.final_norm
-    general = model.with_options(lone_decode=False)
+    general = model.with_options(lean_decode=False)
     assert general.lean is None and model.lean is not None
     # The same form: the lean forward's weight copies are shared too; another form builds its own.
     assert model.with_options(moe_path="auto").lean is model.lean
     if int8_available():
-        assert model.with_options(lone_weights="int8").lean is not fp32.lean
+        assert model.with_options(lean_weights="int8").lean is not fp32.lean
     with pytest.raises(dataclasses.FrozenInstanceError):
         model.options.moe_path = "expert_centric"
     with pytest.raises(ValueError, match="moe_path"):
         model.with_options(moe_path="fastest")
-    with pytest.raises(ValueError, match="lone_weights"):
-        model.with_options(lone_weights="int4")
+    with pytest.raises(ValueError, match="lean_weights"):
+        model.with_options(lean_weights="int4")
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])
@@ -197,7 +219,7 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
     """One sequence's prefill with last_only takes the lean path's lm_head (faster in the one-row
     case): fp32 gives the general path's logits up to rounding; int8 gives its best logit
     exactly."""
-    model = lone_path_model("dense_and_untied", form)
+    model = lean_path_model("dense_and_untied", form)
     ids = torch.randint(
         0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21)
     )
@@ -219,12 +241,12 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-def test_one_beam_decodes_as_the_lone_step_does(steps):
+def test_one_beam_decodes_as_the_lean_step_does(steps):
     """A beam search's forward of a single beam (computed as one row) against plain decode steps
     of the same tokens: the beam's own keys in its tails, the steps' in the cache."""
     from engine.decoding.beam_search import BeamTails
 
-    model = lone_path_model("moe", "fp32")
+    model = lean_path_model("moe", "fp32")
     c = model.config
     g = torch.Generator().manual_seed(23)
     prompt = torch.randint(0, c.vocab_size, (1, 6), generator=g)
