@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference, tuned
+from kernels.quant import Weight, dequantize, format_name
 
 WARP_DECODE = "warp_decode"
 WARP_DECODE_DEDUP = "warp_decode_dedup"  # output-centric, gate/up rows once per expert
@@ -31,18 +32,33 @@ def _table() -> dict:
     return tuned.load("crossover.json") or {}
 
 
-def choose_path(tokens: int, top_k: int, experts: int) -> str:
-    """The path (WARP_DECODE, WARP_DECODE_DEDUP, ...) for a CUDA MoE layer of this size."""
-    entry = _table().get(f"E{experts}_k{top_k}")
+# The paths that read quantized weights (kernels.quant) as stored.
+QUANTIZED_PATHS = (WARP_DECODE, EXPERT_CENTRIC)
+
+
+def choose_path(tokens: int, top_k: int, experts: int, weights: str = "bf16") -> str:
+    """The path (WARP_DECODE, WARP_DECODE_DEDUP, ...) for a CUDA MoE layer of this size whose
+    weights are in format `weights` (kernels.quant.format_name): quantized weights take the
+    crossover measured for their format, between the paths that read them."""
+    key = f"E{experts}_k{top_k}" if weights == "bf16" else f"E{experts}_k{top_k}_{weights}"
+    entry = _table().get(key)
     if entry is not None and entry.get("winners"):
         path = tuned.nearest(entry["winners"], tokens)
         if path == WARP_DECODE_BATCHED and tokens > BATCHED_MAX_TOKENS:
             return EXPERT_CENTRIC
         if path == WARP_DECODE_DEDUP and tokens * top_k > DEDUP_MAX_SLOTS:
             return EXPERT_CENTRIC
+        if weights != "bf16" and path not in QUANTIZED_PATHS:
+            return (
+                WARP_DECODE if path in (WARP_DECODE_BATCHED, WARP_DECODE_DEDUP) else EXPERT_CENTRIC
+            )
         return path
     ratio = DEFAULT_SLOTS_PER_EXPERT
-    measured = [e for e in _table().values() if "slots_per_expert" in e]
+    measured = [
+        e
+        for e in _table().values()
+        if "slots_per_expert" in e and e.get("weights", "bf16") == weights
+    ]
     if measured:  # the nearest measured E decides the ratio
         ratio = min(measured, key=lambda e: abs(e["experts"] - experts))["slots_per_expert"]
     return WARP_DECODE if tokens * top_k <= ratio * experts else EXPERT_CENTRIC
@@ -50,21 +66,23 @@ def choose_path(tokens: int, top_k: int, experts: int) -> str:
 
 def moe(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: Weight,
+    w_down: Weight,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """MoE layer output y [T, H] in x's dtype.
 
-    x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I]; topk_ids [T, k] int;
-    topk_weights [T, k] fp32 (as returned by `route`).
+    x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I] (tensors, or on CUDA
+    quantized weights, kernels.quant); topk_ids [T, k] int; topk_weights [T, k] fp32 (as
+    returned by `route`).
     """
     tokens, top_k = topk_ids.shape
     experts = w_gate_up.shape[0]
     if x.is_cuda:
-        path = choose_path(tokens, top_k, experts)
+        path = choose_path(tokens, top_k, experts, format_name(w_down))
         return run_path(path, x, w_gate_up, w_down, topk_ids, topk_weights)
+    w_gate_up, w_down = dequantize(w_gate_up, x.dtype), dequantize(w_down, x.dtype)
     # CPU: the output-centric reference reads T*k experts' weights, fine for a few tokens;
     # past one slot per expert, grouping by expert reads less.
     if tokens * top_k <= experts:

@@ -6,11 +6,13 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.quant import Weight, is_quantized
+
 
 class MoeInputs(NamedTuple):
     x: torch.Tensor  # [T, H], last dim contiguous
-    w_gate_up: torch.Tensor  # [E, 2I, H]
-    w_down: torch.Tensor  # [E, H, I]
+    w_gate_up: Weight  # [E, 2I, H]
+    w_down: Weight  # [E, H, I]
     ids: torch.Tensor  # [T, k] contiguous
     route_w: torch.Tensor  # [T, k] fp32 contiguous
     tokens: int
@@ -21,16 +23,17 @@ class MoeInputs(NamedTuple):
 
 
 def moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights) -> MoeInputs:
-    """Shapes checked, tensors made contiguous along their last dim (copies only if needed)."""
+    """Shapes checked, tensors made contiguous along their last dim (copies only if needed);
+    quantized weights (kernels.quant) pass as they are."""
     tokens, hidden = x.shape
     experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    assert w_down.shape == (experts, hidden, inter), "w_down must be [E, H, I]"
+    assert tuple(w_down.shape) == (experts, hidden, inter), "w_down must be [E, H, I]"
     assert topk_ids.shape == topk_weights.shape == (tokens, top_k)
 
     def last_dim_contiguous(t):
-        return t if t.stride(-1) == 1 else t.contiguous()
+        return t if is_quantized(t) or t.stride(-1) == 1 else t.contiguous()
 
     return MoeInputs(
         last_dim_contiguous(x),

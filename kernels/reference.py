@@ -354,8 +354,9 @@ def moe_float64(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
     return (y * topk_weights.double()[..., None]).sum(dim=1)
 
 
-def dense_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP for the dense layers; w_gate_up [2I, H], w_down [H, I]."""
+def dense_mlp(x: torch.Tensor, w_gate_up, w_down, linear=F.linear) -> torch.Tensor:
+    """SwiGLU MLP for the dense layers; w_gate_up [2I, H], w_down [H, I], multiplied by
+    `linear` (F.linear's signature; kernels.quant_linear.linear for quantized weights)."""
     inter = w_down.shape[1]
-    gate_up = F.linear(x, w_gate_up)
-    return F.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], w_down)
+    gate_up = linear(x, w_gate_up)
+    return linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], w_down)

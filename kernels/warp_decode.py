@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels import tuned
 from kernels.moe_inputs import moe_inputs
+from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
 from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
@@ -78,10 +79,28 @@ def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
         )
 
 
+@triton.jit
+def int4_values(words, COLS: tl.constexpr):
+    """int32 words [..., COLS / 8] -> their 4-bit values [..., COLS] as fp32 in [-8, 7]: each
+    word repeated eight times along the last dim, then shifted to its value's nibble."""
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    shifts = (tl.arange(0, COLS) % 8) * 4
+    return ((words >> shifts) & 0xF).to(tl.float32) - 8.0
+
+
+@triton.jit
+def fp8_values(stored):
+    """FP8 e4m3 bytes (stored as uint8, so masked loads can fill zeros) -> fp32 values."""
+    return stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["n_slots"])
 def _gate_up_silu_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     ids_ptr,
     out_ptr,
     wdown_ptr,
@@ -92,12 +111,18 @@ def _gate_up_silu_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_wde,
     down_lines,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVEN_I: tl.constexpr,
     EVEN_H: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr,
     DOWN_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
@@ -112,10 +137,19 @@ def _gate_up_silu_kernel(
 
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_H // PER_ITEM)  # stored items (int4: words) of a step
     mask_i = offs_i < inter
-    gate_ptrs = w_ptr + expert * stride_we + offs_i[:, None] * stride_wn + offs_h[None, :]
+    gate_ptrs = w_ptr + expert * stride_we + offs_i[:, None] * stride_wn + offs_c[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
     x_ptrs = x_ptr + token * stride_xt + offs_h
+    if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; the scales are folded into x
+        gate_s_ptr = s_ptr + expert * stride_se + (pid_i * BLOCK_I // SCALE_ROWS) * stride_sn
+        up_s_ptr = (
+            s_ptr + expert * stride_se + ((inter + pid_i * BLOCK_I) // SCALE_ROWS) * stride_sn
+        )
+    else:  # int4: one scale per row and tile (tiles never straddle groups)
+        gate_s_ptr = s_ptr + expert * stride_se + offs_i * stride_sn
+        up_s_ptr = gate_s_ptr + inter * stride_sn
 
     # 2-D accumulators: one cross-lane reduction at the end instead of one per step.
     acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
@@ -124,26 +158,36 @@ def _gate_up_silu_kernel(
         if EVEN_H:
             xv = tl.load(x_ptrs).to(tl.float32)
             if EVEN_I:
-                gate = tl.load(gate_ptrs, eviction_policy=EVICT).to(tl.float32)
-                up = tl.load(up_ptrs, eviction_policy=EVICT).to(tl.float32)
+                gate = tl.load(gate_ptrs, eviction_policy=EVICT)
+                up = tl.load(up_ptrs, eviction_policy=EVICT)
             else:
-                gate = tl.load(
-                    gate_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT
-                ).to(tl.float32)
-                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0.0, eviction_policy=EVICT).to(
-                    tl.float32
-                )
+                gate = tl.load(gate_ptrs, mask=mask_i[:, None], other=0, eviction_policy=EVICT)
+                up = tl.load(up_ptrs, mask=mask_i[:, None], other=0, eviction_policy=EVICT)
         else:
             mask_h = (h0 + offs_h) < hidden
-            mask_w = mask_i[:, None] & mask_h[None, :]
+            mask_w = mask_i[:, None] & ((h0 + offs_c * PER_ITEM) < hidden)[None, :]
             xv = tl.load(x_ptrs, mask=mask_h, other=0.0).to(tl.float32)
-            gate = tl.load(gate_ptrs, mask=mask_w, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            up = tl.load(up_ptrs, mask=mask_w, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        acc_gate += gate * xv[None, :]
-        acc_up += up * xv[None, :]
+            gate = tl.load(gate_ptrs, mask=mask_w, other=0, eviction_policy=EVICT)
+            up = tl.load(up_ptrs, mask=mask_w, other=0, eviction_policy=EVICT)
+        if FORMAT == 0:
+            acc_gate += gate.to(tl.float32) * xv[None, :]
+            acc_up += up.to(tl.float32) * xv[None, :]
+        elif FORMAT == 1:
+            # Per column: a tile may span several blocks' columns (not rows).
+            col_blocks = tl.minimum(h0 + offs_h, hidden - 1) // SCALE_COLS
+            gate_x = xv * tl.load(gate_s_ptr + col_blocks)
+            up_x = xv * tl.load(up_s_ptr + col_blocks)
+            acc_gate += fp8_values(gate) * gate_x[None, :]
+            acc_up += fp8_values(up) * up_x[None, :]
+        else:
+            group = h0 // SCALE_COLS
+            gate_s = tl.load(gate_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
+            up_s = tl.load(up_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
+            acc_gate += int4_values(gate, BLOCK_H) * gate_s[:, None] * xv[None, :]
+            acc_up += int4_values(up, BLOCK_H) * up_s[:, None] * xv[None, :]
         x_ptrs += BLOCK_H
-        gate_ptrs += BLOCK_H
-        up_ptrs += BLOCK_H
+        gate_ptrs += BLOCK_H // PER_ITEM
+        up_ptrs += BLOCK_H // PER_ITEM
 
     gate_sum = tl.sum(acc_gate, axis=1)
     up_sum = tl.sum(acc_up, axis=1)
@@ -161,10 +205,30 @@ def _gate_up_silu_kernel(
         )
 
 
+@triton.jit
+def _fp8_col_scales(s_ptrs, i0, offs_i, inter, SCALE_COLS: tl.constexpr):
+    """[K, BLOCK_I] FP8 scales of each slot's columns i0 + offs_i (the row block is in s_ptrs)."""
+    cols = tl.minimum(i0 + offs_i, inter - 1) // SCALE_COLS
+    return tl.load(s_ptrs[:, None] + cols[None, :])
+
+
+@triton.jit
+def _down_tile(w, s_ptrs, mask_kh, FORMAT: tl.constexpr, BLOCK_I: tl.constexpr):
+    """A loaded down tile [K, BLOCK_H, stored items] -> fp32 [K, BLOCK_H, BLOCK_I]; FP8's
+    scales are folded into the activations instead (one per slot and tile)."""
+    if FORMAT == 2:
+        scales = tl.load(s_ptrs, mask=mask_kh, other=0.0).to(tl.float32)
+        return int4_values(w, BLOCK_I) * scales[:, :, None]
+    if FORMAT == 1:
+        return fp8_values(w)
+    return w.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["n_tokens"])
 def _down_kernel(
     act_ptr,
     w_ptr,
+    s_ptr,
     ids_ptr,
     weights_ptr,
     y_ptr,
@@ -174,6 +238,8 @@ def _down_kernel(
     top_k,
     stride_we,
     stride_wh,
+    stride_se,
+    stride_sh,
     stride_yt,
     K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -181,6 +247,10 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     EVEN_H: tl.constexpr,
     EVEN_I: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
@@ -198,6 +268,7 @@ def _down_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_I)
+    offs_c = tl.arange(0, BLOCK_I // PER_ITEM)  # stored items (int4: words) of a step
     mask_h = offs_h < hidden
     if PREFETCH_LINES > 0:
         # The routing is complete before kernel 1 starts, so these rows are known now.
@@ -213,36 +284,48 @@ def _down_kernel(
         w_ptr
         + experts[:, None, None] * stride_we
         + offs_h[None, :, None] * stride_wh
-        + offs_i[None, None, :]
+        + offs_c[None, None, :]
     )
+    if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; scales go into the activations
+        s_ptrs = s_ptr + experts * stride_se + (pid_h * BLOCK_H // SCALE_ROWS) * stride_sh
+    else:  # int4: a scale per slot, row and step
+        s_ptrs = s_ptr + experts[:, None] * stride_se + offs_h[None, :] * stride_sh
+    mask_kh = mask_k[:, None] & mask_h[None, :]
     a_ptrs = act_ptr + slots[:, None] * inter + offs_i[None, :]
     acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I], dtype=tl.float32)
     if PRELOAD:  # the first chunk of down rows needs only the routing: load it before the wait
         mask_a0 = mask_k[:, None] & (offs_i < inter)[None, :]
-        w0 = tl.load(w_ptrs, mask=mask_a0[:, None, :] & mask_h[None, :, None], other=0.0)
+        mask_w0 = mask_k[:, None, None] & mask_h[None, :, None]
+        mask_w0 = mask_w0 & (offs_c * PER_ITEM < inter)[None, None, :]
+        w0 = tl.load(w_ptrs, mask=mask_w0, other=0)
     if PDL:  # kernel 1's activations are visible after this
         tl.extra.cuda.gdc_wait()
     i_start = 0
     if PRELOAD:
         a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
-        acc += w0.to(tl.float32) * a0[:, None, :]
+        if FORMAT == 1:
+            a0 = a0 * _fp8_col_scales(s_ptrs, 0, offs_i, inter, SCALE_COLS)
+        acc += _down_tile(w0, s_ptrs, mask_kh, FORMAT, BLOCK_I) * a0[:, None, :]
         a_ptrs += BLOCK_I
-        w_ptrs += BLOCK_I
+        w_ptrs += BLOCK_I // PER_ITEM
         i_start = BLOCK_I
     for i0 in range(i_start, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
             a = tl.load(a_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs)
         else:
             mask_a = mask_k[:, None] & ((i0 + offs_i) < inter)[None, :]
-            mask_w = mask_a[:, None, :] & mask_h[None, :, None]
+            mask_w = mask_k[:, None, None] & mask_h[None, :, None]
+            mask_w = mask_w & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
             a = tl.load(a_ptrs, mask=mask_a, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=mask_w, other=0.0).to(tl.float32)
-        # The routing weight is folded in fp32, before anything is rounded.
+            w = tl.load(w_ptrs, mask=mask_w, other=0)
+        # The routing weight (and FP8's scale) is folded in fp32, before anything is rounded.
         a = a * route_w[:, None]
-        acc += w * a[:, None, :]
+        if FORMAT == 1:
+            a = a * _fp8_col_scales(s_ptrs, i0, offs_i, inter, SCALE_COLS)
+        acc += _down_tile(w, s_ptrs + i0 // SCALE_COLS, mask_kh, FORMAT, BLOCK_I) * a[:, None, :]
         a_ptrs += BLOCK_I
-        w_ptrs += BLOCK_I
+        w_ptrs += BLOCK_I // PER_ITEM
 
     y = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
@@ -254,9 +337,13 @@ DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
 DEFAULT_DOWN = {"BLOCK_H": 8, "BLOCK_I": 128, "num_warps": 4, "pdl": False, "prefetch": False}
 
 
-def default_configs(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
-    """Tuned configs for this shape and batch if the repo has them, else the defaults."""
-    table = tuned.load(tuned.shape_name("warp_decode", hidden, inter, experts, top_k)) or {}
+def default_configs(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, weights: str = "bf16"
+) -> dict:
+    """Tuned configs for this shape, weight format (kernels.quant.format_name) and batch if the
+    repo has them, else the defaults."""
+    kernel = "warp_decode" if weights == "bf16" else f"warp_decode_{weights}"
+    table = tuned.load(tuned.shape_name(kernel, hidden, inter, experts, top_k)) or {}
     return {
         "gate_up": tuned.nearest(table.get("gate_up"), tokens) or DEFAULT_GATE_UP,
         "down": tuned.nearest(table.get("down"), tokens) or DEFAULT_DOWN,
@@ -270,8 +357,8 @@ def _fit(block: int, size: int) -> int:
 
 def warp_decode_moe(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: Weight,
+    w_down: Weight,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: dict | None = None,
@@ -280,6 +367,8 @@ def warp_decode_moe(
 
     x [T, H] bf16 (or fp16/fp32); w_gate_up [E, 2I, H] with the I gate rows first, then the I up
     rows; w_down [E, H, I]; topk_ids [T, k] int (int32 or int64); topk_weights [T, k] fp32.
+    The weights are tensors in x's dtype or quantized (kernels.quant: FP8 blocks, int4 groups),
+    read as stored and dequantized in registers.
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     with fp32 accumulation throughout; the only rounding between input and output is the
     intermediate silu(gate)*up stored in x's dtype between the two launches.
@@ -288,7 +377,7 @@ def warp_decode_moe(
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
         x, w_gate_up, w_down, topk_ids, topk_weights
     )
-    cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k)
+    cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k, format_name(w_down))
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     pdl = use_pdl(cfg["down"], x.device)
@@ -297,45 +386,59 @@ def warp_decode_moe(
 
 
 def gate_up_silu(
-    x, w_gate_up, ids, cfg: dict, launch_deps: bool = False, w_down=None
+    x, w_gate_up: Weight, ids, cfg: dict, launch_deps: bool = False, w_down=None
 ) -> torch.Tensor:
     """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype.
 
-    cfg["prefetch_down"] (GPU only, needs `w_down`): each program also pulls a share of its
-    expert's down matrix into L2, and gate/up loads are marked evict-first so it stays there.
-    Only worth it while the routed down matrices fit in L2 (a token or two).
+    cfg["prefetch_down"] (GPU only, needs `w_down`, unquantized weights): each program also
+    pulls a share of its expert's down matrix into L2, and gate/up loads are marked evict-first
+    so it stays there. Only worth it while the routed down matrices fit in L2 (a token or two).
     """
     n_tokens, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     top_k = ids.shape[1]
+    w = kernel_weight(w_gate_up)
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    block_i = _fit(cfg["BLOCK_I"], inter)
-    block_h = _fit(cfg["BLOCK_H"], hidden)
+    # A tile never straddles two scales (FP8 blocks, int4 groups), nor spans less than a word.
+    block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), w.scale_rows)
+    block_h = max(scale_tile(_fit(cfg["BLOCK_H"], hidden), w.tile_cols), 2 * w.per_item)
     n_i = triton.cdiv(inter, block_i)
     line_elems = max(1, L2_LINE_BYTES // x.element_size())
     prefetch = (
-        bool(cfg.get("prefetch_down")) and w_down is not None and x.is_cuda and not interpreting()
+        bool(cfg.get("prefetch_down"))
+        and w_down is not None
+        and w.format == PLAIN
+        and not is_quantized(w_down)
+        and x.is_cuda
+        and not interpreting()
     )
     down_lines = triton.cdiv(hidden * inter, line_elems) if prefetch else 0
     _gate_up_silu_kernel[(n_tokens * top_k, n_i)](
         x,
-        w_gate_up,
+        w.stored,
+        w.scale,
         ids,
         act,
-        w_down if prefetch else w_gate_up,
+        w_down if prefetch else w.stored,
         n_tokens * top_k,
         hidden,
         inter,
         top_k,
         x.stride(0),
-        w_gate_up.stride(0),
-        w_gate_up.stride(1),
+        w.stored.stride(0),
+        w.stored.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
         w_down.stride(0) if prefetch else 0,
         down_lines,
         BLOCK_I=block_i,
         BLOCK_H=block_h,
         EVEN_I=inter % block_i == 0,
         EVEN_H=hidden % block_h == 0,
+        FORMAT=w.format,
+        SCALE_ROWS=w.scale_rows,
+        SCALE_COLS=w.scale_cols,
+        PER_ITEM=w.per_item,
         LAUNCH_DEPS=launch_deps,
         DOWN_LINES=next_pow2(triton.cdiv(down_lines, n_i)) if prefetch else 0,
         LINE_ELEMS=line_elems,
@@ -354,7 +457,7 @@ def _launch_opts(cfg: dict, pdl: bool = False) -> dict:
     return opts
 
 
-def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
+def down(act, w_down: Weight, ids, route_w, cfg: dict) -> torch.Tensor:
     """Kernel 2: y [T, H] = sum over the token's slots of route_w * (w_down[e] @ act[slot]).
 
     With cfg["pdl"] (where supported) this must be launched right after the kernel that writes
@@ -362,18 +465,22 @@ def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
     """
     n_tokens, top_k = ids.shape
     experts, hidden, inter = w_down.shape
+    w = kernel_weight(w_down)
     y = torch.empty(n_tokens, hidden, dtype=act.dtype, device=act.device)
     k_pad = next_pow2(top_k)
-    block_h = _fit(cfg["BLOCK_H"], hidden)
+    block_h = scale_tile(_fit(cfg["BLOCK_H"], hidden), w.scale_rows)
     block_i = _fit(cfg["BLOCK_I"], inter)
     while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
         block_i //= 2  # many experts per token: keep the 3-D tile in registers
+    block_i = max(scale_tile(block_i, w.tile_cols), 2 * w.per_item)
     pdl = use_pdl(cfg, act.device)
-    line_elems = max(1, L2_LINE_BYTES // w_down.element_size())
-    prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if pdl and cfg.get("prefetch") else 0
+    line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
+    prefetch = pdl and cfg.get("prefetch") and w.format == PLAIN
+    prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if prefetch else 0
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act,
-        w_down,
+        w.stored,
+        w.scale,
         ids,
         route_w,
         y,
@@ -381,8 +488,10 @@ def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
         hidden,
         inter,
         top_k,
-        w_down.stride(0),
-        w_down.stride(1),
+        w.stored.stride(0),
+        w.stored.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
         y.stride(0),
         K_PAD=k_pad,
         BLOCK_H=block_h,
@@ -390,6 +499,10 @@ def down(act, w_down, ids, route_w, cfg: dict) -> torch.Tensor:
         EVEN_K=k_pad == top_k,
         EVEN_H=hidden % block_h == 0,
         EVEN_I=inter % block_i == 0,
+        FORMAT=w.format,
+        SCALE_ROWS=w.scale_rows,
+        SCALE_COLS=w.scale_cols,
+        PER_ITEM=w.per_item,
         PDL=pdl,
         PREFETCH_LINES=prefetch_lines,
         LINE_ELEMS=line_elems,

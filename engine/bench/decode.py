@@ -28,6 +28,7 @@ import torch
 
 from engine.kv.pool import KVPool, PagedBatch
 from engine.model.cuda_graph import DecodeGraphs, StepKernels
+from engine.model.qwen3_moe import weight_bytes
 from engine.model.random_model import SHAPES, random_model
 
 
@@ -36,9 +37,15 @@ def expected_experts(batch: int, experts: int, top_k: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** batch)
 
 
-def step_bytes(cfg, batch: int, context: int) -> dict:
-    """Bytes one decode step must read, by part (bf16 weights and KV)."""
-    h, d, e = cfg.hidden_size, cfg.head_dim, 2
+# Bytes per projection weight, scales included: bf16; FP8 with an fp32 scale per 128x128 block;
+# int4 with a bf16 scale per group of 128.
+WEIGHT_BYTES = {None: 2.0, "fp8": 1 + 4 / 128**2, "int4": 0.5 + 2 / 128}
+
+
+def step_bytes(cfg, batch: int, context: int, quant: str | None = None) -> dict:
+    """Bytes one decode step must read, by part (projections in `quant`'s format, the rest and
+    the KV in bf16)."""
+    h, d, e, w = cfg.hidden_size, cfg.head_dim, 2, WEIGHT_BYTES[quant]
     attn = (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h + h * cfg.num_heads * d
     experts = (
         expected_experts(batch, cfg.num_experts, cfg.num_experts_per_tok)
@@ -48,7 +55,7 @@ def step_bytes(cfg, batch: int, context: int) -> dict:
     )
     router = cfg.num_experts * h
     kv = batch * (context + 1) * 2 * cfg.num_kv_heads * d
-    parts = dict(attention=attn * e, experts=experts * e, router=router * e, kv_cache=kv * e)
+    parts = dict(attention=attn * w, experts=experts * w, router=router * e, kv_cache=kv * e)
     parts = {k: v * cfg.num_layers for k, v in parts.items()}
     parts["lm_head"] = cfg.vocab_size * h * e
     return parts
@@ -194,6 +201,11 @@ def main(argv=None) -> int:
     ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--hf-contexts", default="1024,4096", help="contexts of transformers' generate")
+    ap.add_argument(
+        "--quant",
+        choices=("fp8", "int4"),
+        help="projections quantized by the project's quantizer (FP8 blocks / int4 groups of 128)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -214,12 +226,13 @@ def main(argv=None) -> int:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    model = random_model(SHAPES[args.shape], dtype=dtype, device=args.device)
+    model = random_model(SHAPES[args.shape], dtype=dtype, device=args.device, quant=args.quant)
     cfg = model.config
-    weight_bytes = sum(t.numel() * t.element_size() for t in _weights(model))
+    results["quant"] = args.quant
+    results["weight_bytes"] = weight_bytes(model)
     log(
-        f"model {args.shape}: {weight_bytes / 1e9:.2f} GB of {dtype} weights built in "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"model {args.shape}: {results['weight_bytes'] / 1e9:.2f} GB of {dtype} weights "
+        f"({args.quant or 'unquantized'} projections) built in {time.perf_counter() - t0:.1f} s"
     )
     if cuda:
         from kernels.bench.gpu_timing import read_bandwidth
@@ -263,7 +276,7 @@ def main(argv=None) -> int:
                 if moe_name != "warp" and context != split_context:
                     continue  # the comparison of MoE paths at one context is enough
                 seconds = bench.step_time(graphs, batch, context)
-                parts = step_bytes(cfg, batch, context)
+                parts = step_bytes(cfg, batch, context, args.quant)
                 row = dict(
                     moe=moe_name,
                     batch=batch,
@@ -353,7 +366,10 @@ def main(argv=None) -> int:
         results["prefill"] = prefill
         save()
 
-    if args.transformers:
+    if args.quant:
+        results["vs_dequantized"] = compare_with_dequantized(model, 16, 64, log)
+        save()
+    if args.transformers and not args.quant:  # transformers runs the dequantized weights
         try:
             results["transformers"] = compare_transformers(
                 model, [int(c) for c in args.hf_contexts.split(",")], args.hf_new_tokens, log
@@ -367,12 +383,39 @@ def main(argv=None) -> int:
     return 0
 
 
-def _weights(model):
-    yield model.embed
-    if model.lm_head is not model.embed:
-        yield model.lm_head
-    for layer in model.layers:
-        yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+def compare_with_dequantized(model, prompt_tokens: int, positions: int, log) -> dict:
+    """The quantized decode step against the engine's bf16 step on the dequantized weights: one
+    sequence, `prompt_tokens` random tokens then the quantized model's greedy choices (both
+    models see the same tokens), compared at the last `positions` steps."""
+    plain = model.dequantized()
+    cfg, n = model.config, prompt_tokens + positions
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()
+    steps = []
+    for m in (model, plain):
+        pool = KVPool(
+            cfg.num_layers, -(-n // 16), 16, cfg.num_kv_heads, cfg.head_dim, m.dtype, m.device
+        )
+        steps.append(DecodeGraphs(m, pool, n, buckets=(1,), capture=False))
+    table = list(range(-(-n // 16)))
+    same, max_diff, rel = 0, 0.0, []
+    for pos in range(n - 1):  # the logits at pos predict the token at pos + 1
+        quantized, reference = (
+            g.run([tokens[pos]], [pos], [table])[0][0].clone() for g, _ in steps
+        )
+        if pos + 1 < prompt_tokens:
+            continue
+        tokens.append(int(quantized.argmax()))
+        same += int(quantized.argmax() == reference.argmax())
+        max_diff = max(max_diff, float((quantized - reference).abs().max()))
+        rel.append(float((quantized - reference).norm() / reference.norm()))
+    out = dict(positions=positions, argmax_same=same, max_logit_diff=max_diff, rel=max(rel))
+    log(
+        f"quantized step vs bf16 on the dequantized weights: argmax same at {same}/{positions} "
+        f"positions; max |logit diff| {max_diff:.4f}, largest relative {max(rel):.2e}"
+    )
+    del plain, steps
+    return out
 
 
 def hf_model_on_engine_weights(model):

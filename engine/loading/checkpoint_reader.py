@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.loading import int4
-from engine.loading.fp8 import FP8, SCALE_SUFFIX, dequantize
+from engine.loading.fp8 import FP8, SCALE_SUFFIX
 from engine.model.config import ModelFormatError
+from kernels.quant import Fp8Weight, Int4Weight, QuantWeight, dequantize
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -22,7 +22,7 @@ class CheckpointReader:
     A weight stored as block-scaled FP8 (`X.weight` in float8_e4m3fn next to its
     `X.weight_scale_inv`, as in Qwen's FP8 releases) comes back dequantized to the asked dtype, and
     so does one stored as group-scaled int4 (`X.weight_packed`, `X.weight_scale`, `X.weight_shape`,
-    engine/loading/int4.py)."""
+    engine/loading/int4.py). `get_stored` gives such weights as stored instead (kernels.quant)."""
 
     def __init__(
         self,
@@ -67,8 +67,15 @@ class CheckpointReader:
         return list(self._file_of)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.get_stored(name, shape, dtype), dtype)
+
+    def get_stored(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | QuantWeight:
+        """The weight as the checkpoint stores it: an FP8 or int4 weight (kernels.quant, with
+        the checkpoint's scales) where it is quantized, else the tensor in `dtype`."""
         if name + "_packed" in self._file_of:
-            return self._get_int4(name, shape, dtype)
+            return self._get_int4(name, shape)
         if name not in self._file_of:
             raise ModelFormatError(f"missing tensor {name!r} in {self.model_dir}")
         tensor = self._tensor(name)
@@ -89,14 +96,17 @@ class CheckpointReader:
                 )
             scale = self._open(self._file_of[scale_name]).get_tensor(scale_name)
             try:
-                return dequantize(tensor, scale, self.fp8_block, dtype)
+                weight = Fp8Weight(tensor, scale.float(), self.fp8_block)
             except ValueError as exc:
                 raise ModelFormatError(f"tensor {name!r}: {exc}") from exc
+            if not (torch.isfinite(weight.scale).all() and (weight.scale > 0).all()):
+                raise ModelFormatError(f"tensor {name!r}: fp8 scales must be finite and positive")
+            return weight
         if tensor.dtype == FP8:
             raise ModelFormatError(f"fp8 tensor {name!r} has no {scale_name!r}")
         return tensor.to(dtype)
 
-    def _get_int4(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _get_int4(self, name: str, shape: tuple[int, ...]) -> Int4Weight:
         if self.int4_group is None:
             raise ModelFormatError(
                 f"tensor {name!r} is int4 but config.json has no compressed-tensors "
@@ -129,7 +139,18 @@ class CheckpointReader:
                 f"tensor {name!r}: int4 scales {tuple(scale.shape)} do not give groups of "
                 f"{self.int4_group} over {tuple(shape)}"
             )
+        if not scale.is_floating_point():
+            raise ModelFormatError(f"tensor {name!r}: int4 scales must be floating point")
+        if not (torch.isfinite(scale.float()).all() and (scale.float() > 0).all()):
+            raise ModelFormatError(f"tensor {name!r}: int4 scales must be finite and positive")
+        packed = self._tensor(name + "_packed")
+        out_f, in_f = shape
+        if packed.dtype != torch.int32 or tuple(packed.shape) != (out_f, in_f // 8) or in_f % 8:
+            raise ModelFormatError(
+                f"int4 tensor {name!r} {tuple(shape)} needs packed int32 [{out_f}, {in_f // 8}], "
+                f"got {packed.dtype} {tuple(packed.shape)}"
+            )
         try:
-            return int4.dequantize(self._tensor(name + "_packed"), scale, shape, dtype)
+            return Int4Weight(packed, scale, self.int4_group)
         except ValueError as exc:
             raise ModelFormatError(f"tensor {name!r}: {exc}") from exc

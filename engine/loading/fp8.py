@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from kernels.quant import Fp8Weight, stack
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
@@ -116,3 +118,11 @@ def fake_quantize(w: torch.Tensor, block: int) -> torch.Tensor:
     q, scales = _fp8_blocks(w, block)
     rounded = _unblock(q.float() * scales[:, None, :, None], w.shape).to(w.dtype)
     return w + (rounded - w).detach()
+
+
+def quantized_weight(w: torch.Tensor, block: int) -> Fp8Weight:
+    """W [..., out, in] (leading dims: experts) as the kernels' block-scaled FP8 weight."""
+    if w.ndim > 2:
+        return stack([quantized_weight(part, block) for part in w])
+    data, scale = quantize(w, block)
+    return Fp8Weight(data, scale, (block, block))

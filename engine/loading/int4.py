@@ -16,9 +16,9 @@ quantization all see bit-identical weights, in fp32 and bf16.
 
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from kernels.quant import Int4Weight, stack, unpack_int4
 
 SUFFIXES = ("_packed", "_scale", "_shape")  # appended to a weight's name ("...proj.weight_packed")
 Q_MAX = 7  # our quantizer writes |q| <= 7; other writers also use -8, which reading takes
@@ -76,14 +76,7 @@ def unpack(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
             f"int4 weight {tuple(shape)} needs packed int32 [{out_f}, {in_f // 8}], "
             f"got {packed.dtype} {tuple(packed.shape)}"
         )
-    packed = packed.contiguous()  # the byte view below reads the words' memory in order
-    if sys.byteorder != "little":  # the words' nibbles, in order, by shifts
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-        return (((packed[..., None] >> shifts) & 0xF) - 8).flatten(1).to(torch.int8)
-    # Value 2j sits in byte j's low nibble and 2j+1 in its high one: split bytes, one mask and one
-    # shift over a byte view instead of eight shifts of each word.
-    nibbles = packed.view(torch.uint8)
-    return torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(torch.int8).flatten(1) - 8
+    return unpack_int4(packed)
 
 
 def _scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -201,3 +194,11 @@ def quantization_config(group: int, ignore: list[str]) -> dict:
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+
+
+def quantized_weight(w: torch.Tensor, group: int) -> Int4Weight:
+    """W [..., out, in] (leading dims: experts) as the kernels' group-scaled int4 weight."""
+    if w.ndim > 2:
+        return stack([quantized_weight(part, group) for part in w])
+    q, scale = quantize(w, group)
+    return Int4Weight(pack(q), scale.to(torch.bfloat16), group)

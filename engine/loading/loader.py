@@ -18,6 +18,8 @@ from engine.model.config import ModelConfig, ModelFormatError
 from engine.model.layer import LayerWeights
 from engine.model.options import ModelOptions
 from engine.model.qwen3_moe import Qwen3MoeModel
+from kernels import quant
+from kernels.quant import Weight, dequantize, is_quantized, kernels_read
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,9 +41,12 @@ def load_model(
     device: str | torch.device = "cpu",
     experts: range | None = None,
     options: ModelOptions | None = None,
+    keep_quantized: bool | None = None,
 ) -> Qwen3MoeModel:
     """`experts`: load only these experts of each MoE layer (expert parallelism,
-    `engine.model.expert_parallel`). `options`: how the model computes (engine.model.options)."""
+    `engine.model.expert_parallel`). `options`: how the model computes (engine.model.options).
+    `keep_quantized`: FP8 and int4 weights stay as stored (kernels.quant) for the kernels to
+    read; by default on CUDA only (elsewhere they are dequantized once, here)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelFormatError(f"model folder {model_dir} does not exist")
@@ -49,9 +54,25 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     reader = CheckpointReader(model_dir, fp8_block(config), int4_group(config))
+    if keep_quantized is None:
+        keep_quantized = device.type == "cuda"
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return reader.get(name, shape, dtype).to(device)
+
+    def weight(name: str, *shape: int) -> Weight:
+        stored = reader.get_stored(name, shape, dtype)
+        if is_quantized(stored) and keep_quantized:
+            return quant.to(stored, device)
+        return dequantize(stored, dtype).to(device)
+
+    def joined(parts: list[Weight]) -> Weight:
+        """Row blocks of one product (q, k, v; gate, up) as one weight, quantized where the
+        format lets them join and the kernels read the result, else in `dtype`."""
+        fused = quant.cat_rows(parts)
+        if fused is None or not kernels_read(fused):
+            fused = torch.cat([dequantize(part, dtype) for part in parts])
+        return fused
 
     h, d = config.hidden_size, config.head_dim
     hq, hkv = config.num_heads * d, config.num_kv_heads * d
@@ -60,11 +81,11 @@ def load_model(
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
-        w_qkv = torch.cat(
+        w_qkv = joined(
             [
-                get(attn + "q_proj.weight", hq, h),
-                get(attn + "k_proj.weight", hkv, h),
-                get(attn + "v_proj.weight", hkv, h),
+                weight(attn + "q_proj.weight", hq, h),
+                weight(attn + "k_proj.weight", hkv, h),
+                weight(attn + "v_proj.weight", hkv, h),
             ]
         )
         b_qkv = b_o = None
@@ -78,14 +99,19 @@ def load_model(
             )
             b_o = get(attn + "o_proj.bias", h) if attn + "o_proj.bias" in reader else None
         if config.is_moe_layer(i):
-            w_gate_up, w_down = _load_experts(get, reader, p + "mlp.", config, experts)
+            w_gate_up, w_down = _load_experts(
+                get, weight, joined, reader, p + "mlp.", config, dtype, experts
+            )
             router = get(p + "mlp.gate.weight", config.num_experts, h)
         else:
             inter = config.intermediate_size
-            w_gate_up = torch.cat(
-                [get(p + "mlp.gate_proj.weight", inter, h), get(p + "mlp.up_proj.weight", inter, h)]
+            w_gate_up = joined(
+                [
+                    weight(p + "mlp.gate_proj.weight", inter, h),
+                    weight(p + "mlp.up_proj.weight", inter, h),
+                ]
             )
-            w_down = get(p + "mlp.down_proj.weight", h, inter)
+            w_down = readable(weight(p + "mlp.down_proj.weight", h, inter), dtype)
             router = None
         layers.append(
             LayerWeights(
@@ -95,7 +121,7 @@ def load_model(
                 b_qkv=b_qkv,
                 q_norm=get(attn + "q_norm.weight", d),
                 k_norm=get(attn + "k_norm.weight", d),
-                w_o=get(attn + "o_proj.weight", h, hq),
+                w_o=readable(weight(attn + "o_proj.weight", h, hq), dtype),
                 b_o=b_o,
                 w_gate_up=w_gate_up,
                 w_down=w_down,
@@ -104,7 +130,11 @@ def load_model(
         )
     final_norm = get("model.norm.weight", h)
     # Tied: the output projection is the embedding matrix itself (HF ignores any saved lm_head).
-    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
+    lm_head = (
+        embed
+        if config.tie_word_embeddings
+        else readable(weight("lm_head.weight", config.vocab_size, h), dtype)
+    )
     return Qwen3MoeModel(config, embed, layers, final_norm, lm_head, options)
 
 
@@ -122,8 +152,20 @@ def int4_group(config: ModelConfig) -> int | None:
         raise ModelFormatError(str(exc)) from exc
 
 
+def readable(w: Weight, dtype: torch.dtype) -> Weight:
+    """The weight as stored where the kernels read it so, else dequantized to `dtype`."""
+    return w if kernels_read(w) else dequantize(w, dtype)
+
+
 def _load_experts(
-    get, reader: CheckpointReader, prefix: str, config: ModelConfig, experts: range | None = None
+    get,
+    weight,
+    joined,
+    reader: CheckpointReader,
+    prefix: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    experts: range | None = None,
 ):
     e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     experts = range(e) if experts is None else experts
@@ -142,9 +184,19 @@ def _load_experts(
     for n in experts:
         ex = f"{prefix}experts.{n}."
         gate_up.append(
-            torch.cat(
-                [get(ex + "gate_proj.weight", inter, h), get(ex + "up_proj.weight", inter, h)]
+            joined(
+                [weight(ex + "gate_proj.weight", inter, h), weight(ex + "up_proj.weight", inter, h)]
             )
         )
-        down.append(get(ex + "down_proj.weight", h, inter))
-    return torch.stack(gate_up), torch.stack(down)
+        down.append(weight(ex + "down_proj.weight", h, inter))
+    return _stacked(gate_up, dtype), readable(_stacked(down, dtype), dtype)
+
+
+def _stacked(weights: list[Weight], dtype: torch.dtype) -> Weight:
+    """Experts' weights as one [E, N, K] weight: quantized if all are, in one format."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.stack(weights)
+    try:
+        return quant.stack(weights)
+    except ValueError:  # some joined only after dequantizing: all go that way
+        return torch.stack([dequantize(w, dtype) for w in weights])

@@ -29,6 +29,7 @@ from engine.model.qwen3_moe import Qwen3MoeModel
 from kernels import reference as ref
 from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
 from kernels.paged_attention import default_splits, paged_decode_attention
+from kernels.quant_linear import linear
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class StepKernels:
     (to time a stage without its kernel, or to compare kernels) when they build the step."""
 
     attention: Callable = paged_decode_attention  # paged_decode_attention's signature
-    linear: Callable = F.linear  # the q/k/v and o projections
+    linear: Callable = linear  # the q/k/v and o projections (kernels.quant_linear)
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
 
 
@@ -140,7 +141,7 @@ class DecodeStep:
             x, h = add_rms_norm(x, delta, layer.post_attention_norm, eps)
             delta = mlp(h, layer, cfg, model.options)
         _, h = add_rms_norm(x, delta, model.final_norm, eps)
-        logits = F.linear(h, model.lm_head).float()
+        logits = linear(h, model.lm_head).float()
         if self.vocab_limit is not None:
             logits[:, self.vocab_limit :] = float("-inf")  # ids the tokenizer can't decode
         self.logits = logits

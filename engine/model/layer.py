@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kv.cache import ModelCache
 from engine.model.config import ModelConfig
 from engine.model.options import ModelOptions
 from kernels import dispatch
 from kernels import reference as ref
+from kernels.quant import Weight, dequantize
+from kernels.quant_linear import linear
 
 # On the CPU, reading each routed expert in place (output-centric) wins while few tokens are
 # routed; past this many (token, expert) pairs (the measured crossover) the grouped path, which
@@ -30,14 +31,16 @@ CPU_OUTPUT_CENTRIC_MAX_PAIRS = 4
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_attention_norm: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]: q, k, v projections fused at load time
+    # The projections are tensors in the model's dtype or, on CUDA, quantized as the checkpoint
+    # stored them (kernels.quant); norms and router are always tensors.
+    w_qkv: Weight  # [(Hq + 2*Hkv) * D, H]: q, k, v projections fused at load time
     b_qkv: torch.Tensor | None
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
-    w_o: torch.Tensor  # [H, Hq * D]
+    w_o: Weight  # [H, Hq * D]
     b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # MoE: [E, 2I, H] (gate rows first); dense: [2I, H]
-    w_down: torch.Tensor  # MoE: [E, H, I]; dense: [H, I]
+    w_gate_up: Weight  # MoE: [E, 2I, H] (gate rows first); dense: [2I, H]
+    w_down: Weight  # MoE: [E, H, I]; dense: [H, I]
     router: torch.Tensor | None  # [E, H] on MoE layers, None on dense layers
 
 
@@ -68,7 +71,7 @@ def attention(h, layer: LayerWeights, index, positions, cos, sin, cache: ModelCa
     causal attention, the output projection."""
     batch, n_tokens, _ = h.shape
     d = cfg.head_dim
-    qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+    qkv = linear(h, layer.w_qkv, layer.b_qkv)
     q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
     q = ref.rms_norm(q.view(batch, n_tokens, cfg.num_heads, d), layer.q_norm, cfg.rms_norm_eps)
     k = ref.rms_norm(k.view(batch, n_tokens, cfg.num_kv_heads, d), layer.k_norm, cfg.rms_norm_eps)
@@ -76,7 +79,7 @@ def attention(h, layer: LayerWeights, index, positions, cos, sin, cache: ModelCa
     k = ref.apply_rope(k.transpose(1, 2), cos, sin)
     v = v.view(batch, n_tokens, cfg.num_kv_heads, d).transpose(1, 2)
     out = cache.attend(index, positions, q, k, v, cfg.sliding_window)
-    return F.linear(out.transpose(1, 2).reshape(batch, n_tokens, -1), layer.w_o, layer.b_o)
+    return linear(out.transpose(1, 2).reshape(batch, n_tokens, -1), layer.w_o, layer.b_o)
 
 
 def mlp(
@@ -84,13 +87,16 @@ def mlp(
 ) -> torch.Tensor:
     """The layer's dense MLP or MoE (router, then the chosen path) on normed x [N, H]."""
     if layer.router is None:
-        return ref.dense_mlp(x, layer.w_gate_up, layer.w_down)
+        return ref.dense_mlp(x, layer.w_gate_up, layer.w_down, linear)
     route = dispatch.route if x.is_cuda else ref.route  # fused Triton router on CUDA
     topk_ids, topk_weights = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     moe = options.moe_fn
     if moe is None:
         moe = moe_path(options.moe_path, x.shape[0] * cfg.num_experts_per_tok, x)
-    return moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
+    w_gate_up, w_down = layer.w_gate_up, layer.w_down
+    if not x.is_cuda:  # the CPU's torch paths multiply plain tensors
+        w_gate_up, w_down = dequantize(w_gate_up, x.dtype), dequantize(w_down, x.dtype)
+    return moe(x, w_gate_up, w_down, topk_ids, topk_weights)
 
 
 def moe_path(forced: str, pairs: int, x: torch.Tensor):

@@ -25,6 +25,8 @@ from engine.model.layer import LayerWeights, decoder_layer
 from engine.model.lean_cpu import LEAN_MAX_ROWS, BeamKeys, LeanCpu
 from engine.model.options import ModelOptions
 from kernels import reference as ref
+from kernels.quant import dequantize, is_quantized, nbytes
+from kernels.quant_linear import linear
 
 # LEAN_MAX_ROWS (engine.model.lean_cpu) is part of the model's interface: the engine sizes its
 # speculative drafts and beams by it.
@@ -56,8 +58,13 @@ class Qwen3MoeModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = ref.rope_inv_freq(config.head_dim, config.rope_theta).to(self.device)
+        # Weights kept quantized (kernels.quant): the general path's kernels read them; the lean
+        # CPU forward takes plain tensors only.
+        self.quantized = any(
+            is_quantized(w) for layer in layers for w in vars(layer).values()
+        ) or is_quantized(lm_head)
         self.small_on_cpu = (
-            self.device.type == "cpu" and _weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
+            self.device.type == "cpu" and weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
         )
         self.lean = LeanCpu(self, self.options.lean_weights) if self._lean_applies() else None
 
@@ -76,11 +83,28 @@ class Qwen3MoeModel:
             model.lean = self.lean
         return model
 
+    def dequantized(self) -> Qwen3MoeModel:
+        """This model with every quantized weight (kernels.quant) dequantized to its dtype: the
+        same values, read as plain tensors (the reference the quantized paths are checked
+        against)."""
+
+        def plain(w):
+            return dequantize(w, self.dtype) if is_quantized(w) else w
+
+        layers = [
+            dataclasses.replace(layer, **{name: plain(w) for name, w in vars(layer).items()})
+            for layer in self.layers
+        ]
+        return Qwen3MoeModel(
+            self.config, self.embed, layers, self.final_norm, plain(self.lm_head), self.options
+        )
+
     def _lean_applies(self) -> bool:
         options = self.options
         return (
             options.lean_decode
             and self.small_on_cpu
+            and not self.quantized
             and self.dtype == torch.float32
             and options.moe_fn is None
             and options.moe_path == "auto"
@@ -142,7 +166,7 @@ class Qwen3MoeModel:
                 # one-row case does, the more so in int8.
                 return self.lean.head(x[0])[None]
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     @torch.inference_mode()
     def forward_tail(
@@ -173,9 +197,10 @@ class Qwen3MoeModel:
             return self.lean.beams(tokens, position, cache, tails)
 
 
-def _weight_bytes(model: Qwen3MoeModel) -> int:
-    tensors = [model.embed, model.lm_head, model.final_norm]
+def weight_bytes(model: Qwen3MoeModel) -> int:
+    """Bytes the model's weights hold (quantized ones as stored)."""
+    weights = [model.embed, model.lm_head, model.final_norm]
     for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-    unique = {t.data_ptr(): t for t in tensors}  # a tied lm_head is the embedding
-    return sum(t.numel() * t.element_size() for t in unique.values())
+        weights += [w for w in vars(layer).values() if w is not None]
+    unique = {id(w): w for w in weights}  # a tied lm_head is the embedding
+    return sum(nbytes(w) for w in unique.values())

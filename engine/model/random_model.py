@@ -2,6 +2,8 @@
 
 For benchmarks of shapes whose weights can't be downloaded (e.g. Qwen3-30B-A3B on a GPU with no
 network). Weights are scaled like a trained model's (unit-variance activations), never zeros.
+With `quant`, the projections are quantized by the project's own quantizers (FP8 blocks or int4
+groups, engine.loading.fp8 / int4) and kept as stored, as a quantized checkpoint loads on CUDA.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import math
 
 import torch
 
+from engine.loading import fp8, int4
 from engine.model.config import ModelConfig
 from engine.model.layer import LayerWeights
 from engine.model.options import ModelOptions
@@ -81,15 +84,29 @@ def random_model(
     device="cpu",
     seed: int = 0,
     options: ModelOptions | None = None,
+    quant: str | None = None,
+    quant_size: int = 128,
 ) -> Qwen3MoeModel:
+    """`quant`: None, "fp8" (blocks of quant_size x quant_size) or "int4" (groups of
+    quant_size input columns) for the attention and MLP projections."""
     cfg = ModelConfig.from_dict(config)
     gen = torch.Generator(device=device).manual_seed(seed)
+    if quant not in (None, "fp8", "int4"):
+        raise ValueError(f"unknown quantization {quant!r}; expected fp8 or int4")
 
     def w(*shape, fan_in):
         return (
             torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
             / math.sqrt(fan_in)
         ).to(dtype)
+
+    def proj(*shape, fan_in):
+        if quant is None:
+            return w(*shape, fan_in=fan_in)
+        drawn = torch.randn(*shape, generator=gen, device=device) / math.sqrt(fan_in)
+        if quant == "fp8":
+            return fp8.quantized_weight(drawn, quant_size)
+        return int4.quantized_weight(drawn, quant_size)
 
     def norm(n):
         return (1.0 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
@@ -101,22 +118,23 @@ def random_model(
         if cfg.is_moe_layer(i):
             e, inter = cfg.num_experts, cfg.moe_intermediate_size
             w_gate_up, w_down, router = (
-                w(e, 2 * inter, h, fan_in=h),
-                w(e, h, inter, fan_in=inter),
+                proj(e, 2 * inter, h, fan_in=h),
+                proj(e, h, inter, fan_in=inter),
                 w(e, h, fan_in=h),
             )
         else:
             inter = cfg.intermediate_size
-            w_gate_up, w_down, router = w(2 * inter, h, fan_in=h), w(h, inter, fan_in=inter), None
+            w_gate_up = proj(2 * inter, h, fan_in=h)
+            w_down, router = proj(h, inter, fan_in=inter), None
         layers.append(
             LayerWeights(
                 input_norm=norm(h),
                 post_attention_norm=norm(h),
-                w_qkv=w(q + 2 * kv, h, fan_in=h),
+                w_qkv=proj(q + 2 * kv, h, fan_in=h),
                 b_qkv=None,
                 q_norm=norm(d),
                 k_norm=norm(d),
-                w_o=w(h, q, fan_in=q),
+                w_o=proj(h, q, fan_in=q),
                 b_o=None,
                 w_gate_up=w_gate_up,
                 w_down=w_down,

@@ -1,0 +1,210 @@
+"""The MoE layer over bf16, FP8 and int4 weights, side by side on the GPU.
+
+    python -m engine.bench.moe_formats --out moe_formats.json
+    python -m engine.bench.moe_formats --tune --out moe_formats.json  # also write the tables
+
+Shape: the Qwen3-30B-A3B MoE layer (H=2048, I=768, E=128, k=8); random weights quantized by the
+project's own quantizers (FP8 blocks of 128x128, int4 groups of 128), several layers cycled so
+L2 cannot help. Per format and batch: the floor (the bytes of the distinct experts touched, as
+stored, over the measured read bandwidth), warp decode, the expert-centric path and the
+dispatcher, µs per layer under CUDA graphs (best of two medians), and each path's error against
+a float64 reference on the dequantized weights. `--tune` first sweeps warp decode's tiles per
+quantized format at small batches and writes `kernels/configs/warp_decode_{fp8,int4}_*.json`
+and the formats' crossover entries, which the dispatcher reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine.loading import fp8, int4
+from kernels import dispatch, reference, tuned
+from kernels.bench.gpu_timing import graph_time_us, read_bandwidth
+from kernels.fused_moe import fused_moe
+from kernels.quant import dequantize, nbytes
+from kernels.warp_decode import warp_decode_moe
+
+SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
+FORMATS = ("bf16", "fp8", "int4")
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TUNE_BATCHES = (1, 2, 4, 8)
+
+
+def quantized(w: torch.Tensor, fmt: str):
+    if fmt == "fp8":
+        return fp8.quantized_weight(w, 128)
+    if fmt == "int4":
+        return int4.quantized_weight(w, 128)
+    return w.to(torch.bfloat16)
+
+
+class Layers:
+    """n MoE layers of random weights in one format, and per batch their inputs and routing."""
+
+    def __init__(self, n: int, fmt: str, seed: int = 0):
+        h, i, e = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.n, self.fmt = n, fmt
+        self.gate_up, self.down, self.router = [], [], []
+        for _ in range(n):
+            draw = torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h**-0.5
+            self.gate_up.append(quantized(draw, fmt))
+            draw = torch.randn(e, h, i, generator=gen, device="cuda") * i**-0.5
+            self.down.append(quantized(draw, fmt))
+            del draw
+            self.router.append(torch.randn(e, h, generator=gen, device="cuda").bfloat16())
+        self.expert_bytes = (nbytes(self.gate_up[0]) + nbytes(self.down[0])) / e
+
+    def inputs(self, batch: int, seed: int):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        out = []
+        for layer in range(self.n):
+            x = torch.randn(batch, SHAPE["hidden"], generator=gen, device="cuda").bfloat16()
+            ids, w = reference.route(x, self.router[layer], SHAPE["top_k"], norm_topk_prob=True)
+            out.append((x, self.gate_up[layer], self.down[layer], ids.contiguous(), w))
+        return out
+
+
+def time_us(fn, inputs, replays: int) -> float:
+    return min(
+        graph_time_us(lambda: [fn(*args) for args in inputs], replays) / len(inputs)
+        for _ in range(2)
+    )
+
+
+def error(fn, args) -> float:
+    x, w_gate_up, w_down, ids, weights = args
+    y = fn(*args).double()
+    ref = reference.moe_float64(
+        x, dequantize(w_gate_up, torch.float64), dequantize(w_down, torch.float64), ids, weights
+    )
+    return float((y - ref).norm() / ref.norm())
+
+
+def warp_candidates():
+    """Warp decode configs to sweep: kernel 1's rows x columns per program, kernel 2's rows."""
+    for (bi, bh, warps), (dh, di, pdl) in itertools.product(
+        [(2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4), (4, 512, 8), (8, 256, 8)],
+        [(2, 128, True), (4, 128, True), (8, 128, True), (4, 256, True), (4, 128, False)],
+    ):
+        yield {
+            "gate_up": {"BLOCK_I": bi, "BLOCK_H": bh, "num_warps": warps},
+            "down": {"BLOCK_H": dh, "BLOCK_I": di, "num_warps": 4, "pdl": pdl, "preload": pdl},
+        }
+
+
+def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
+    best = {}
+    for batch in TUNE_BATCHES:
+        timed = []
+        for cfg in warp_candidates():
+            try:
+                us = graph_time_us(
+                    lambda c=cfg, xs=inputs[batch]: [warp_decode_moe(*a, config=c) for a in xs],
+                    replays,
+                ) / len(inputs[batch])
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+                log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}")
+                continue
+            timed.append((us, cfg))
+        us, cfg = min(timed, key=lambda t: t[0])
+        best[batch] = cfg
+        log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--tune", action="store_true", help="tune quantized warp decode first")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = read_bandwidth()["read_bytes_per_s"]
+    device = torch.cuda.get_device_name()
+    log(f"{device}; read bandwidth {bandwidth / 1e12:.2f} TB/s; shape {SHAPE}")
+    result = {"device": device, "shape": SHAPE, "bandwidth": bandwidth, "rows": []}
+    h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
+    for fmt in args.formats.split(","):
+        layers = Layers(args.layers, fmt)
+        inputs = {b: layers.inputs(b, seed=100 + b) for b in batches}
+        if args.tune and fmt != "bf16":
+            best = tune_warp(layers, inputs, args.replays, log)
+            name = tuned.shape_name(f"warp_decode_{fmt}", h, i, e, k)
+            tuned.save(
+                name,
+                {
+                    "device": device,
+                    "gate_up": {str(b): c["gate_up"] for b, c in best.items()},
+                    "down": {str(b): c["down"] for b, c in best.items()},
+                },
+            )
+        rows = []
+        for batch in batches:
+            distinct = sum(int(torch.unique(a[3]).numel()) for a in inputs[batch]) / layers.n
+            row = {
+                "format": fmt,
+                "batch": batch,
+                "floor_us": distinct * layers.expert_bytes / bandwidth * 1e6,
+                "warp_decode_us": time_us(warp_decode_moe, inputs[batch], args.replays),
+                "expert_centric_us": time_us(fused_moe, inputs[batch], args.replays),
+                "warp_decode_err": error(warp_decode_moe, inputs[batch][0]),
+                "expert_centric_err": error(fused_moe, inputs[batch][0]),
+            }
+            rows.append(row)
+        if args.tune and fmt != "bf16":
+            table = dict(tuned.load("crossover.json") or {})
+            winners = {
+                str(r["batch"]): "warp_decode"
+                if r["warp_decode_us"] <= r["expert_centric_us"]
+                else "expert_centric"
+                for r in rows
+            }
+            table[f"E{e}_k{k}_{fmt}"] = {
+                "device": device,
+                "experts": e,
+                "top_k": k,
+                "weights": fmt,
+                "winners": winners,
+                "us_per_layer": {
+                    str(r["batch"]): {
+                        "warp_decode": r["warp_decode_us"],
+                        "expert_centric": r["expert_centric_us"],
+                    }
+                    for r in rows
+                },
+            }
+            tuned.save("crossover.json", table)
+        for row in rows:
+            row["dispatch_path"] = dispatch.choose_path(row["batch"], k, e, fmt)
+            row["dispatch_us"] = time_us(dispatch.moe, inputs[row["batch"]], args.replays)
+            log(
+                f"{fmt:>4} B={row['batch']:<3} floor {row['floor_us']:6.1f}  warp "
+                f"{row['warp_decode_us']:6.1f}  expert-centric {row['expert_centric_us']:6.1f}  "
+                f"dispatch {row['dispatch_us']:6.1f} ({row['dispatch_path']})  err warp "
+                f"{row['warp_decode_err']:.2e} ec {row['expert_centric_err']:.2e}"
+            )
+        result["rows"] += rows
+        del layers, inputs
+        torch.cuda.empty_cache()
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
