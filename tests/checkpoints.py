@@ -114,8 +114,8 @@ def lean_path_model(variant: str, form: str = "fp32"):
     """A random fp32 model for the lean CPU paths' tests, its lean path's weights in `form`:
     "moe" (every layer MoE, tied embeddings), "dense_and_untied" (layer 0 dense, an own lm_head)
     or "bias" (q/k/v and o biases)."""
+    from engine.loading.random_model import TINY, random_model
     from engine.model.options import ModelOptions
-    from engine.model.random_model import TINY, random_model
 
     config = dict(TINY, vocab_size=512)
     if variant == "dense_and_untied":

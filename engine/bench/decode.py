@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.random_model import SHAPES, random_model
 from engine.model.cuda_graph import DecodeGraphs, StepKernels
 from engine.model.qwen3_moe import weight_bytes
-from engine.model.random_model import SHAPES, random_model
 
 
 def expected_experts(batch: int, experts: int, top_k: int) -> float:

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from engine.loading.loader import DTYPES, resolve_dtype
+from engine.loading.random_model import SHAPES, random_model
 from engine.model import expert_parallel as parallel
 from engine.model.config import ModelConfig
 from engine.model.options import MOE_PATHS, ModelOptions
 from engine.model.qwen3_moe import Qwen3MoeModel
-from engine.model.random_model import SHAPES, random_model
 
 
 def random_model_shard(

@@ -111,13 +111,13 @@ def main(argv=None) -> int:
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     if args.shape:
-        from engine.model.random_model import QWEN3_30B_A3B, random_model
+        from engine.loading.random_model import QWEN3_30B_A3B, random_model
 
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         model = random_model(QWEN3_30B_A3B, dtype=dtype, device=args.device)
         args.random = True
     elif args.random:
-        from engine.model.random_model import random_model
+        from engine.loading.random_model import random_model
 
         cfg = json.loads((model_dir / "config.json").read_text())
         cfg["max_position_embeddings"] = max(16384, max(args.contexts or DEFAULT_CONTEXTS) + 64)

@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.random_model import QWEN3_30B_A3B, random_model
 from engine.model.cuda_graph import DecodeStep
-from engine.model.random_model import QWEN3_30B_A3B, random_model
 
 
 def main(argv=None):

@@ -5,9 +5,9 @@ keep a core busy."""
 import pytest
 import torch
 
+from engine.loading.random_model import TINY, random_model
 from engine.model import cpu_threads, host_load
 from engine.model.host_load import HostLoad, busy_ticks
-from engine.model.random_model import TINY, random_model
 
 TICKS = 100  # per second
 

@@ -9,9 +9,9 @@ from checkpoints import LEAN_PATH_TOLERANCE as TOLERANCE
 from checkpoints import lean_path_model
 
 from engine.kv.pool import KVPool, PagedBatch
+from engine.loading.random_model import TINY, random_model
 from engine.model.lean_matrices import int8_available
 from engine.model.options import ModelOptions
-from engine.model.random_model import TINY, random_model
 from kernels import reference as ref
 
 

@@ -4,6 +4,7 @@ on fresh random inputs, and the int8 form's exact best logits."""
 import pytest
 import torch
 
+from engine.loading.random_model import TINY, random_model
 from engine.model.lean_matrices import (
     FORMS,
     INPUT_DTYPE,
@@ -14,7 +15,6 @@ from engine.model.lean_matrices import (
     matrix,
 )
 from engine.model.options import ModelOptions
-from engine.model.random_model import TINY, random_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch lacks _weight_int8pack_mm")
 

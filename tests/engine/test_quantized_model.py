@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading import fp8, int4
 from engine.loading.loader import load_model
+from engine.loading.random_model import TINY, random_model
 from engine.model.cuda_graph import DecodeStep
 from engine.model.qwen3_moe import weight_bytes
-from engine.model.random_model import TINY, random_model
 from kernels.quant import Fp8Weight, Int4Weight, is_quantized
 
 FORMATS = [("fp8", 16), ("int4", 16), ("int4", 32)]

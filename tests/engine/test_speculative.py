@@ -13,9 +13,9 @@ from engine.core.request import Request
 from engine.decoding.prompt_lookup import draft, writable_prefix
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
+from engine.loading.random_model import TINY, random_model
 from engine.loading.tokenizer import Tokenizer
 from engine.model.options import ModelOptions
-from engine.model.random_model import TINY, random_model
 from engine.models import default_model_dir
 from engine.prompts.fim import build_fim_prompt
 
