@@ -130,7 +130,7 @@ def _random_model(args: argparse.Namespace, options):
     """Random weights of a named shape (latency benchmarks only: the text is noise)."""
     import torch
 
-    from engine.model.random_model import random_model, shape_config
+    from engine.loading.random_model import random_model, shape_config
 
     config = shape_config(args.random_shape, args.random_vocab_size)
     device = torch.device(args.device)
@@ -140,7 +140,14 @@ def _random_model(args: argparse.Namespace, options):
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[args.dtype]
-    model = random_model(config, dtype=dtype, device=device, seed=args.random_seed, options=options)
+    model = random_model(
+        config,
+        dtype=dtype,
+        device=device,
+        seed=args.random_seed,
+        options=options,
+        quant=args.random_quant,
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
     return model
@@ -488,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model then only gives the tokenizer. For latency measurements: the text is noise",
     )
     serve.add_argument("--random-seed", type=int, default=0, help="seed of the random weights")
+    serve.add_argument(
+        "--random-quant",
+        choices=("fp8", "int4"),
+        help="quantize the random model's projections (FP8 blocks / int4 groups of 128), kept so "
+        "on the GPU as a quantized checkpoint is",
+    )
     serve.add_argument(
         "--random-vocab-size",
         type=int,
