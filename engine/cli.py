@@ -146,7 +146,7 @@ def _random_model(args: argparse.Namespace, options):
         device=device,
         seed=args.random_seed,
         options=options,
-        quant=args.random_quant,
+        quant=args.quant,
     )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
@@ -496,10 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--random-seed", type=int, default=0, help="seed of the random weights")
     serve.add_argument(
-        "--random-quant",
+        "--quant",
         choices=("fp8", "int4"),
-        help="quantize the random model's projections (FP8 blocks / int4 groups of 128), kept so "
-        "on the GPU as a quantized checkpoint is",
+        help="with --random-shape: quantize the random projections (FP8 blocks / int4 groups of "
+        "128), kept so on the GPU as a quantized checkpoint's are",
     )
     serve.add_argument(
         "--random-vocab-size",
