@@ -16,8 +16,11 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def _generate(args: argparse.Namespace) -> int:
     # Heavy imports here, not at module level, so `wd-engine --help` stays instant.
+    import logging
+
     from engine.core.engine import Engine
     from engine.core.request import Request, RequestFailed
+    from engine.loading import memory
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
     from engine.model.config import ModelFormatError
@@ -28,6 +31,10 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
+        log = logging.getLogger("wd_engine")  # generate sets no handler: warnings go to stderr
+        memory.check_before_load(
+            args.device, args.gpu_memory_gb, log, model_dir=model_dir, dtype=args.dtype
+        )
         model = load_model(model_dir, dtype=args.dtype, device=args.device, options=options)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         if args.fim_prefix is not None or args.fim_suffix is not None:
@@ -113,9 +120,22 @@ def _stats_line(load_s: float, done) -> str:
     )
 
 
-def kv_pool_bytes(requested_mb: int | None, device) -> int:
+def kv_pool_bytes(requested_mb: int | None, model, budget=None, kv_fp8: bool = False) -> int:
     """The KV pool's size: as asked, else 256 MB on the CPU (tens of thousands of tokens for small
-    models) or half of the GPU memory left after the weights (a 30B MoE caches ~100 KB a token)."""
+    models) or half of the GPU memory left after the weights (a 30B MoE caches ~100 KB a token).
+    Under --gpu-memory-gb (`budget`, engine.loading.memory): as asked if it fits, else what the
+    cap leaves after the weights and the activations' reserve."""
+    device = model.device
+    if budget is not None and budget.capped:
+        from engine.loading import memory
+
+        per_token = memory.kv_bytes_per_token(model.config, model.dtype, kv_fp8)
+        return memory.capped_kv_pool_bytes(
+            budget,
+            memory.gpu_bytes_in_use(device),
+            None if requested_mb is None else requested_mb << 20,
+            memory.MIN_KV_TOKENS * per_token,
+        )
     if requested_mb is not None:
         return requested_mb << 20
     if device.type == "cuda":
@@ -152,6 +172,12 @@ def _random_model(args: argparse.Namespace, options):
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
     return model
 
+
+GPU_MEMORY_HELP = (
+    "cap this process's GPU memory (GB of 10^9 bytes): the weights, then the KV pool sized to "
+    "what is left; checked before loading, with an error naming the quantization that would "
+    "fit. Without it the free memory is the limit. CUDA only: ignored, with a warning, on the CPU"
+)
 
 CPU_DECODE_WEIGHTS_HELP = (
     "weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
@@ -215,7 +241,9 @@ def _serve(args: argparse.Namespace) -> int:
     # torch only now: a daemon refused above exits without the seconds its import takes
     from engine.core.engine import Engine
     from engine.core.options import EngineOptions
+    from engine.loading import memory
     from engine.loading.loader import load_model
+    from engine.loading.random_model import shape_config
     from engine.loading.tokenizer import Tokenizer
     from engine.serve.daemon import EngineServer, ServeOptions
 
@@ -224,10 +252,25 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
+        # Before the weights load: a model that cannot fit is a quick, clear error.
+        budget = memory.check_before_load(
+            args.device,
+            args.gpu_memory_gb,
+            log,
+            model_dir=None if args.random_shape else model_dir,
+            config=shape_config(args.random_shape, args.random_vocab_size)
+            if args.random_shape
+            else None,
+            quant=args.quant,
+            dtype=args.dtype,
+            kv_bytes=None if args.kv_memory_mb is None else args.kv_memory_mb << 20,
+            name="it",  # after "cannot load model NAME: "
+        )
         if args.random_shape:  # the folder gives only the tokenizer (and its FIM conventions)
             model = _random_model(args, options)
         else:
             model = load_model(model_dir, dtype=args.dtype, device=args.device, options=options)
+        kv_bytes = kv_pool_bytes(args.kv_memory_mb, model, budget, args.kv_fp8)
         tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=model.config.eos_token_ids)
         log.info(
             "loaded %s in %.0f ms on %s (%s, MoE path %s, CPU decode weights %s)",
@@ -250,13 +293,14 @@ def _serve(args: argparse.Namespace) -> int:
     engine_options = EngineOptions(
         block_size=args.block_size,
         kv_fp8=args.kv_fp8,
-        kv_memory_bytes=kv_pool_bytes(args.kv_memory_mb, model.device),
+        kv_memory_bytes=kv_bytes,
         prefill_chunk=args.prefill_chunk,
         salt=f"{salt}:{model.dtype}",
         prefix_cache=not args.no_prefix_cache,
         speculative=not args.no_speculative,
     )
     engine = Engine(model, tokenizer, engine_options)
+    log.info("memory: %s", memory.describe(model, engine.runner.pool, budget))
     idle_timeout = args.idle_timeout
     if idle_timeout is None:  # an HTTP server is started on purpose: it stays until stopped
         idle_timeout = float("inf") if http else 900.0
@@ -320,6 +364,26 @@ def _parallel(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     finally:
         dist.destroy_process_group()
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    """`wd-engine quantize`: engine.loading.quantize.quantize_folder, its refusals as exit 1."""
+    from engine.loading.quantize import QuantizeError, quantize_folder
+
+    try:
+        summary = quantize_folder(
+            args.src,
+            args.dst,
+            args.to,
+            block=args.block,
+            group=args.group,
+            max_shard_bytes=int(args.max_shard_gb * 1e9),
+        )
+    except (QuantizeError, OSError) as exc:
+        print(f"wd-engine quantize: {exc}", file=sys.stderr)
+        return 1
+    print(summary.line(args.to))
     return 0
 
 
@@ -407,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--gpu-memory-gb", type=float, help=GPU_MEMORY_HELP)
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
     gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
@@ -454,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-memory-mb",
         type=int,
-        help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU)",
+        help="KV block pool size (default: 256 MB on the CPU, half the free memory on a GPU, "
+        "what is left of --gpu-memory-gb after the weights)",
     )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument(
@@ -481,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
     )
     serve.add_argument("--device", default="cpu")
+    serve.add_argument("--gpu-memory-gb", type=float, help=GPU_MEMORY_HELP)
     serve.add_argument(
         "--moe-path",
         choices=("auto", "expert_centric", "output_centric"),
@@ -526,6 +593,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-path", choices=("auto", "expert_centric", "output_centric"), default="auto"
     )
     par.set_defaults(run=_parallel)
+
+    quant = commands.add_parser(
+        "quantize",
+        help="write a quantized copy of a bf16/fp16/fp32 Hugging Face Qwen3-MoE folder "
+        "(fp8: Qwen's FP8 format; int4: compressed-tensors W4A16), which this engine, "
+        "transformers and vLLM read",
+    )
+    quant.add_argument("--to", choices=("fp8", "int4"), required=True, help="the format")
+    quant.add_argument(
+        "--block",
+        type=int,
+        default=128,
+        help="fp8: rows and columns of a scale's block (default 128, as Qwen's releases); it "
+        "must divide the hidden, head and intermediate sizes",
+    )
+    quant.add_argument(
+        "--group",
+        type=int,
+        default=128,
+        help="int4: input columns per scale (default 128; 32 is finer); a multiple of 8 that "
+        "divides every projection's input size",
+    )
+    quant.add_argument(
+        "--max-shard-gb",
+        type=float,
+        default=5.0,
+        help="largest weight file written (default 5 GB); more get an index",
+    )
+    quant.add_argument("src", metavar="SRC", help="the Hugging Face model folder to quantize")
+    quant.add_argument("dst", metavar="DST", help="the new folder (must not exist)")
+    quant.set_defaults(run=_quantize)
     return parser
 
 

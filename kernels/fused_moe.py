@@ -12,6 +12,13 @@ Four launches:
 Each expert's output is rounded to the activation dtype before the combine (as vLLM's
 fused_moe and Hugging Face do); warp decode keeps fp32 across experts instead.
 Block sizes per batch size come from `kernels/configs/fused_moe_*.json` (tuned on the GPU).
+
+Quantized weights (kernels.quant) are read as stored and dequantized in registers
+(kernels.gemv.quantized_dot); BLOCK_K shrinks so that a K step never straddles two scales. FP8
+tiles go to the dot as they are (exact in bf16) and each step's partial product is multiplied by
+its blocks' scales, one per output column (as DeepSeek-style block GEMMs do); int4 tiles are
+multiplied by their per-(row, group) scales and rounded to the activation dtype before the dot
+(as W4A16 GEMMs do). No activation is quantized.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
+from kernels.gemv import k_step, quantized_dot
 from kernels.moe_align import align_by_expert
 from kernels.moe_inputs import moe_inputs
+from kernels.quant import Weight, format_name, kernel_weight
 from kernels.triton_env import interpreting
 
 
@@ -38,6 +47,7 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     sorted_ptr,
     block_expert_ptr,
@@ -49,11 +59,17 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -73,21 +89,51 @@ def _gate_up_kernel(
 
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = (k0 + offs_k) < hidden
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        acc_gate = _dot(a, g, acc_gate, UPCAST)
-        acc_up = _dot(a, u, acc_up, UPCAST)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if FORMAT == 0:
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = (k0 + offs_k) < hidden
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            acc_gate = _dot(a, g, acc_gate, UPCAST)
+            acc_up = _dot(a, u, acc_up, UPCAST)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+    else:
+        # Tiles [BLOCK_N, stored items] (int4 words run along K); scales per output row
+        # (an FP8 block may hold gate and up rows alike).
+        offs_c = tl.arange(0, BLOCK_K // PER_ITEM)
+        g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_c[None, :]
+        u_ptrs = g_ptrs + inter * stride_wn
+        rows = tl.minimum(offs_n, inter - 1)  # masked rows read a real scale
+        gs_rows = s_ptr + expert * stride_se + (rows // SCALE_ROWS) * stride_sn
+        us_rows = s_ptr + expert * stride_se + ((inter + rows) // SCALE_ROWS) * stride_sn
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=mask_n[:, None], other=0)
+                u = tl.load(u_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                mask_k = (k0 + offs_k) < hidden
+                mask_w = mask_n[:, None] & ((k0 + offs_c * PER_ITEM) < hidden)[None, :]
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=mask_w, other=0)
+                u = tl.load(u_ptrs, mask=mask_w, other=0)
+            if UPCAST:
+                a = a.to(tl.float32)
+            acc_gate = quantized_dot(
+                a, g, gs_rows, k0, hidden, acc_gate, FORMAT, SCALE_COLS, BLOCK_K
+            )
+            acc_up = quantized_dot(a, u, us_rows, k0, hidden, acc_up, FORMAT, SCALE_COLS, BLOCK_K)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K // PER_ITEM
+            u_ptrs += BLOCK_K // PER_ITEM
 
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * inter + offs_n[None, :]
@@ -98,6 +144,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     weights_ptr,
     sorted_ptr,
@@ -108,11 +155,17 @@ def _down_kernel(
     inter,
     stride_we,
     stride_wh,
+    stride_se,
+    stride_sh,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -130,17 +183,37 @@ def _down_kernel(
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = (k0 + offs_k) < inter
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        acc = _dot(a, b, acc, UPCAST)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if FORMAT == 0:
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = (k0 + offs_k) < inter
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    else:  # as in the gate/up kernel: [BLOCK_N, stored items] tiles, scales per output row
+        offs_c = tl.arange(0, BLOCK_K // PER_ITEM)
+        b_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wh + offs_c[None, :]
+        rows = tl.minimum(offs_n, hidden - 1)
+        s_rows = s_ptr + expert * stride_se + (rows // SCALE_ROWS) * stride_sh
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                mask_k = (k0 + offs_k) < inter
+                mask_w = mask_n[:, None] & ((k0 + offs_c * PER_ITEM) < inter)[None, :]
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_w, other=0)
+            if UPCAST:
+                a = a.to(tl.float32)
+            acc = quantized_dot(a, b, s_rows, k0, inter, acc, FORMAT, SCALE_COLS, BLOCK_K)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // PER_ITEM
 
     route_w = tl.load(weights_ptr + slots64, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
@@ -164,10 +237,18 @@ PREFILL_CONFIG = {
 }
 
 
-def default_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
-    table = (tuned.load(tuned.shape_name("fused_moe", hidden, inter, experts, top_k)) or {}).get(
-        "configs"
-    )
+def default_config(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, weights: str = "bf16"
+) -> dict:
+    """Tuned tiles for this shape and batch: the weight format's own table
+    (`fused_moe_fp8_*`, kernels.quant.format_name), else bf16's (the stages shrink BLOCK_K to
+    fit the scales), else the defaults."""
+
+    def table_of(family):
+        shape = tuned.shape_name(family, hidden, inter, experts, top_k)
+        return (tuned.load(shape) or {}).get("configs")
+
+    table = (weights != "bf16" and table_of(f"fused_moe_{weights}")) or table_of("fused_moe")
     prefill = tokens * top_k >= 8 * experts
     # The tuned table covers decode batch sizes; far past its largest entry, prefill tiles win.
     if table and not (prefill and tokens > 2 * max(int(key) for key in table)):
@@ -182,8 +263,8 @@ def _stages(cfg: dict) -> dict:
 
 def fused_moe(
     x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: Weight,
+    w_down: Weight,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: dict | None = None,
@@ -192,6 +273,7 @@ def fused_moe(
 
     x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I]; topk_ids [T, k] int;
     topk_weights [T, k] fp32. Returns y [T, H] in x's dtype. `config` overrides the tuned tiles.
+    The weights are tensors in x's dtype or quantized (kernels.quant), read as stored.
     """
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
         x, w_gate_up, w_down, topk_ids, topk_weights
@@ -199,7 +281,7 @@ def fused_moe(
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
 
-    cfg = config or default_config(n_tokens, hidden, inter, experts, top_k)
+    cfg = config or default_config(n_tokens, hidden, inter, experts, top_k, format_name(w_down))
     grouping = align_by_expert(ids, experts, cfg["BLOCK_M"])
     act = gate_up_stage(x, w_gate_up, grouping, top_k, cfg["BLOCK_M"], cfg["gate_up"])
     per_slot = down_stage(act, w_down, route_w, grouping, cfg["BLOCK_M"], cfg["down"])
@@ -215,10 +297,13 @@ def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -
     n_tokens, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     numel = n_tokens * top_k
+    w = kernel_weight(w_gate_up)
+    block_k = k_step(cfg["BLOCK_K"], w)
     act = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))](
         x,
-        w_gate_up,
+        w.stored,
+        w.scale,
         act,
         sorted_slots,
         block_expert,
@@ -228,13 +313,19 @@ def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -
         inter,
         top_k,
         x.stride(0),
-        w_gate_up.stride(0),
-        w_gate_up.stride(1),
+        w.stored.stride(0),
+        w.stored.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        BLOCK_K=block_k,
+        EVEN_K=hidden % block_k == 0,
         UPCAST=interpreting(),
+        FORMAT=w.format,
+        SCALE_ROWS=w.scale_rows,
+        SCALE_COLS=w.scale_cols,
+        PER_ITEM=w.per_item,
         **_stages(cfg),
     )
     return act
@@ -245,10 +336,13 @@ def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch
     sorted_slots, block_expert, rows_used = grouping
     numel, inter = act.shape
     hidden = w_down.shape[1]
+    w = kernel_weight(w_down)
+    block_k = k_step(cfg["BLOCK_K"], w)
     per_slot = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
     _down_kernel[(block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))](
         act,
-        w_down,
+        w.stored,
+        w.scale,
         per_slot,
         route_w,
         sorted_slots,
@@ -257,13 +351,19 @@ def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch
         numel,
         hidden,
         inter,
-        w_down.stride(0),
-        w_down.stride(1),
+        w.stored.stride(0),
+        w.stored.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=inter % cfg["BLOCK_K"] == 0,
+        BLOCK_K=block_k,
+        EVEN_K=inter % block_k == 0,
         UPCAST=interpreting(),
+        FORMAT=w.format,
+        SCALE_ROWS=w.scale_rows,
+        SCALE_COLS=w.scale_cols,
+        PER_ITEM=w.per_item,
         **_stages(cfg),
     )
     return per_slot

@@ -24,6 +24,7 @@ to the expert-centric path (`kernels.fused_moe`) where that is measured to be fa
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -400,7 +401,8 @@ def gate_up_silu(
     w = kernel_weight(w_gate_up)
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     # A tile never straddles two scales (FP8 blocks, int4 groups), nor spans less than a word.
-    block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), w.scale_rows)
+    # Up rows start at row `inter`: a tile must not straddle a block there either.
+    block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), math.gcd(w.scale_rows, inter))
     block_h = max(scale_tile(_fit(cfg["BLOCK_H"], hidden), w.tile_cols), 2 * w.per_item)
     n_i = triton.cdiv(inter, block_i)
     line_elems = max(1, L2_LINE_BYTES // x.element_size())

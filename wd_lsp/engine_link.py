@@ -82,6 +82,10 @@ class EngineLink:
         self.model_info: dict | None = None
         self._error_logged = False  # this failure has been told: quiet until the engine is back
         self._last_error: str | None = None
+        # Why the engine could not be started (the first line of what it said as it exited: a
+        # model that cannot load, or does not fit the GPU), until it is up again.
+        self.start_error: str | None = None
+        self._error_message: str | None = None  # the last error's, until the engine is ready
         self._starting_logged = False
         self._timeout_logged = False
         self._restart_task: asyncio.Task | None = None
@@ -166,7 +170,7 @@ class EngineLink:
             raise EngineUnavailable("the engine settings changed while connecting")
         self.model_info = info.get("model")
         self._error_logged = self._starting_logged = self._timeout_logged = False
-        self._last_error = None
+        self._last_error = self.start_error = None
         self._reset_backoff()
         # The only place that connects: the features of the engine every request goes to.
         self.engine_features = hello_features(info)
@@ -339,6 +343,7 @@ class EngineLink:
             return
         if isinstance(exc, (SpawnFailed, EngineTimeout)):
             self._back_off()
+        self.start_error = _start_failure(exc)
         if not self._error_logged or str(exc) != self._last_error:
             log.error("engine unavailable: %s (completions are empty until it is back)", exc)
             self._error_logged = True
@@ -358,9 +363,26 @@ class EngineLink:
         except (EngineUnavailable, EngineError, OSError):
             pass  # logged once already; the next request tries again
 
+    @property
+    def error(self) -> str | None:
+        """Why the engine is unavailable, until it is back (also while it is being started
+        again): a failed start's own reason, else the last error's message."""
+        return self.start_error or self._error_message
+
     def _set_state(self, state: str, message: str) -> None:
         self.state = state
+        if state in ("error", "ready"):
+            self._error_message = message if state == "error" else None
         self.on_state(state, message)
+
+
+def _start_failure(exc: Exception) -> str | None:
+    """The first line of why a start failed (the engine's own words where it said them), None
+    for failures of an engine that had started."""
+    if not isinstance(exc, SpawnFailed):
+        return None
+    reason = getattr(exc, "reason", None) or str(exc)
+    return reason.strip().split("\n", 1)[0] or None
 
 
 def _current_task() -> asyncio.Task | None:

@@ -59,6 +59,7 @@ class WdLanguageServer(LanguageServer):
         )
         self._progress_token: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._shown_start_error: str | None = None  # told in a message box: not again
 
     def configure_backend(self) -> None:
         """Use the backend the settings ask for: the engine daemon or an OpenAI-compatible
@@ -79,6 +80,12 @@ class WdLanguageServer(LanguageServer):
         except Exception:  # noqa: BLE001 - no client (yet) to tell
             pass
 
+    def _show_error(self, message: str) -> None:
+        try:
+            self.window_show_message(T.ShowMessageParams(type=T.MessageType.Error, message=message))
+        except Exception:  # noqa: BLE001 - no client (yet) to tell
+            pass
+
     def _notify_status(self, state: str, message: str) -> None:
         try:
             self.protocol.notify(
@@ -96,6 +103,14 @@ class WdLanguageServer(LanguageServer):
         level = T.MessageType.Error if state == "error" else T.MessageType.Info
         self.log(message, level)
         self._notify_status(state, message)
+        if state == "ready":
+            self._shown_start_error = None
+        start_error = getattr(self.engine, "start_error", None)
+        if state == "error" and start_error and start_error != self._shown_start_error:
+            # A log line is easily missed, and completions stay empty until this is fixed:
+            # a model that cannot load, or does not fit the GPU, is shown once.
+            self._shown_start_error = start_error
+            self._show_error(f"wd-lsp: the engine could not start: {start_error}")
         if state in ("ready", "error") and self._progress_token:
             self.work_done_progress.end(
                 self._progress_token, T.WorkDoneProgressEnd(message=message)
@@ -129,6 +144,7 @@ class WdLanguageServer(LanguageServer):
             version=__version__,
             enabled=self.settings.enabled,
             engine=self.engine.state,
+            engineError=getattr(self.engine, "error", None),
             model=(self.engine.model_info or {}).get("name"),
             lastLatencyMs=self.latencies_ms[-1] if lat else None,
             p50LatencyMs=lat[len(lat) // 2] if lat else None,

@@ -400,9 +400,7 @@ def compare_with_dequantized(model, prompt_tokens: int, positions: int, log) -> 
     table = list(range(-(-n // 16)))
     same, max_diff, rel = 0, 0.0, []
     for pos in range(n - 1):  # the logits at pos predict the token at pos + 1
-        quantized, reference = (
-            g.run([tokens[pos]], [pos], [table])[0][0].clone() for g, _ in steps
-        )
+        quantized, reference = (g.run([tokens[pos]], [pos], [table])[0][0].clone() for g in steps)
         if pos + 1 < prompt_tokens:
             continue
         tokens.append(int(quantized.argmax()))

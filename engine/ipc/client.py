@@ -52,6 +52,15 @@ class SpawnFailed(EngineUnavailable):
     """The daemon could not be started; retrying at once would only start another."""
 
 
+class EngineExited(SpawnFailed):
+    """The spawned daemon exited before it listened; `reason` is the first line of why, as it
+    wrote it to its log (a model that cannot load, one that does not fit the GPU), or None."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+
+
 class UnsafeSocket(SpawnFailed):
     """Something that is not this user's engine socket is at the socket path (a file, a directory,
     a symbolic link, another user's socket) or the peer runs as another user: nothing is sent
@@ -484,6 +493,38 @@ def _listening(path: Path) -> bool:
         probe.close()
 
 
+EXIT_REASON_MAX_BYTES = 64 << 10  # of the log's end: a start's last words are near it
+EXIT_REASON_MAX_CHARS = 500
+
+
+def exit_reason(log_path: Path, start: int, pid: int | None = None) -> str | None:
+    """Why an engine that exited while starting did, from what it appended to its log after
+    `start`: its own error line (`wd-engine: ...` on stderr, else an ERROR record of its pid),
+    else the last line (a traceback's exception). The first line of it, or None."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as the log is opened
+    try:
+        fd = os.open(log_path, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        f.seek(max(start, info.st_size - EXIT_REASON_MAX_BYTES))
+        text = f.read(EXIT_REASON_MAX_BYTES).decode("utf-8", "replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("wd-engine")]
+    if not said and pid is not None:
+        said = [
+            line.split(f"[{pid}]: ", 1)[1]
+            for line in lines
+            if " ERROR " in line and f"[{pid}]: " in line
+        ]
+    if said:
+        return said[-1].removeprefix("wd-engine: ")[:EXIT_REASON_MAX_CHARS]
+    return lines[-1][:EXIT_REASON_MAX_CHARS] if lines else None
+
+
 def spawn_lock_path(path: Path) -> Path:
     """The file whose lock serialises starting the engine that listens on `path`."""
     return path.parent / (path.name + ".lock")
@@ -550,6 +591,7 @@ def _start_and_wait(path: Path, config: SpawnConfig, on_progress: Callable[[str]
     try:
         log_path = paths.log_path()
         log_file = paths.open_private_log(log_path, "ab")
+        log_start = os.fstat(log_file.fileno()).st_size  # where this engine's lines begin
     except (paths.UnsafeLogFile, paths.UnsafeRuntimeDir, OSError) as exc:
         raise SpawnFailed(f"not starting the engine: {exc}") from exc
     on_progress("starting the engine")
@@ -570,8 +612,12 @@ def _start_and_wait(path: Path, config: SpawnConfig, on_progress: Callable[[str]
     next_report = started + 1.0
     while not _listening(path):
         if process.poll() is not None:
-            raise SpawnFailed(
-                f"the engine exited with code {process.returncode} while starting; see {log_path}"
+            reason = exit_reason(log_path, log_start, getattr(process, "pid", None))
+            raise EngineExited(
+                f"the engine exited with code {process.returncode} while starting"
+                + (f": {reason}" if reason else "")
+                + f"; see {log_path}",
+                reason,
             )
         now = time.monotonic()
         if now - started > config.ready_timeout_s:

@@ -20,21 +20,16 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from engine.loading import int4
-from engine.loading.fp8 import SCALE_SUFFIX, quantize
+from engine.loading.quantize import (
+    fp8_quantization_config,
+    fp8_weights,
+    int4_ignore,
+    int4_weights,
+)
 
 from . import checkpoint
 from .config import CONFIG, write_configs
 from .grow import expert_count, expert_width
-
-
-def _is_projection(name: str, t) -> bool:
-    """q/k/v/o and the experts' gate/up/down: what the quantized formats store quantized."""
-    return t.ndim == 2 and name.endswith("_proj.weight")
-
-
-def router_names(config: dict) -> list[str]:
-    """The routers, Linear modules both formats leave in bf16 (their choices are brittle)."""
-    return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
 
 
 def quant_flags_error(fp8_block: int | None, int4_group: int | None) -> str | None:
@@ -44,43 +39,6 @@ def quant_flags_error(fp8_block: int | None, int4_group: int | None) -> str | No
     if int4_group is not None and (int4_group <= 0 or int4_group % 8):
         return "--int4-group must be a positive multiple of 8"
     return None
-
-
-def fp8_weights(weights: dict, block: int) -> dict:
-    """The projections (q/k/v/o, experts' gate/up/down) as FP8 + scales; embedding, router and
-    norms stay bf16 (they are small, and the router's choices are brittle)."""
-    out = {}
-    for name, t in weights.items():
-        if _is_projection(name, t):
-            out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
-        else:
-            out[name] = t
-    return out
-
-
-def int4_weights(weights: dict, group: int) -> dict:
-    """The projections as int4 (engine/loading/int4.py); embedding, router and norms stay bf16."""
-    out = {}
-    for name, t in weights.items():
-        out.update(int4.store(name, t, group) if _is_projection(name, t) else {name: t})
-    return out
-
-
-def int4_ignore(config: dict) -> list[str]:
-    """The Linear modules left unquantized: the tied head and the routers."""
-    return ["lm_head"] + router_names(config)
-
-
-def fp8_quantization_config(config: dict, block: int) -> dict:
-    # Modules left in bf16 are named, as Qwen's FP8 configs do, so a loader that would swap in
-    # FP8 layers (transformers on a GPU) leaves them alone.
-    keep = ["lm_head", "model.embed_tokens"] + router_names(config)
-    return {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-        "modules_to_not_convert": keep,
-    }
 
 
 def trained_context(state: dict) -> int:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU: what the quantized weights are measured by, in one call (results and logs under $OUT):
+#   moe     the MoE layer in bf16, FP8 and int4 side by side (quantized warp decode tuned first,
+#           its tables written to kernels/configs/ and copied to $OUT/configs)
+#   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
+#           quantized by the project's quantizer), with the quantized step's logits against the
+#           bf16 step on the dequantized weights
+#   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
+#   latency the latency suite on FP8 (keystroke -> first token with cache and warm-up)
+#
+#   bash engine/bench/quantized_gpu.sh                 # all stages
+#   STAGES=moe,decode bash engine/bench/quantized_gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-quantized-gpu-out}
+STAGES=${STAGES:-moe,decode,fit,latency}
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+if has moe; then
+    "$PYTHON" -m engine.bench.moe_formats --tune --out "$OUT/moe_formats.json" 2>&1 | tee "$OUT/moe_formats.log"
+    mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
+fi
+if has decode; then
+    for quant in bf16 fp8 int4; do
+        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+        # shellcheck disable=SC2086
+        "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
+            --prefill 4096 --no-transformers $flag --out "$OUT/decode_$quant.json" 2>&1 \
+            | tee "$OUT/decode_$quant.log"
+    done
+fi
+if has fit; then
+    for spec in fp8:40 int4:24; do
+        quant=${spec%:*} cap=${spec#*:}
+        "$PYTHON" -m engine.bench.fit --quant "$quant" --gpu-memory-gb "$cap" \
+            --out "$OUT/fit_$quant.json" 2>&1 | tee "$OUT/fit_$quant.log"
+    done
+fi
+if has latency; then
+    OUT="$OUT/latency_fp8" MODES=${MODES:-cache-on,cache-warm} SEGMENTS=${SEGMENTS:-2} \
+        KV_MB=${KV_MB:-4096} bash tests/latency/gpu_run.sh --engine-arg=--quant=fp8
+fi
