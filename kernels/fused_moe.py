@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
-from kernels.gemv import k_step, quantized_dot
 from kernels.moe_align import align_by_expert
 from kernels.moe_inputs import moe_inputs
 from kernels.quant import Weight, format_name, kernel_weight
+from kernels.quant_tiles import k_step, quantized_dot
 from kernels.triton_env import interpreting
 
 

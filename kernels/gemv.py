@@ -17,63 +17,14 @@ import triton
 import triton.language as tl
 
 from kernels.quant import (
-    FP8_BLOCKS,
-    KernelWeight,
     Weight,
     is_quantized,
     kernel_weight,
-    scale_tile,
 )
+from kernels.quant_tiles import k_step, quantized_dot
 from kernels.triton_env import interpreting
-from kernels.warp_decode import int4_values
 
 MAX_ROWS = 16
-# tl.dot's smallest K: an FP8 block narrower than this gets a scale per weight instead.
-MIN_DOT_K = 16
-
-
-def k_step(block_k: int, w: KernelWeight) -> int:
-    """A K step that never straddles two scales where the kernels need one scale per step: int4
-    groups, FP8 blocks of MIN_DOT_K columns or more. Narrower FP8 blocks keep `block_k`, and
-    their scales are then applied weight by weight (see `quantized_dot`)."""
-    step = scale_tile(block_k, w.scale_cols)
-    return block_k if w.format == FP8_BLOCKS and step < MIN_DOT_K else step
-
-
-@triton.jit
-def quantized_dot(
-    a,
-    w,
-    s_rows,
-    k0,
-    k_in,
-    acc,
-    FORMAT: tl.constexpr,
-    SCALE_COLS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """acc + a [M, BLOCK_K] @ W^T for a loaded quantized tile w [N, stored items] of the K step
-    at k0; s_rows [N] points at each output row's scales. The dot's operands are in a's dtype.
-
-    - int4: values times their (row, group) scale, then the dot (the step is within a group);
-    - FP8, step within a block: the dot on the raw values (exact in bf16), then each output
-      column's block scale on the partial product;
-    - FP8, blocks narrower than a step: values times their own block's scale, then the dot.
-    """
-    if FORMAT == 2:
-        scale = tl.load(s_rows + k0 // SCALE_COLS).to(tl.float32)
-        acc = tl.dot(a, tl.trans((int4_values(w, BLOCK_K) * scale[:, None]).to(a.dtype)), acc)
-    elif SCALE_COLS % BLOCK_K == 0:
-        scale = tl.load(s_rows + k0 // SCALE_COLS)
-        values = w.to(tl.float8e4nv, bitcast=True).to(a.dtype)
-        part = tl.dot(a, tl.trans(values), tl.zeros(acc.shape, dtype=tl.float32))
-        acc += part * scale[None, :]
-    else:
-        cols = tl.minimum(k0 + tl.arange(0, BLOCK_K), k_in - 1) // SCALE_COLS
-        scale = tl.load(s_rows[:, None] + cols[None, :])
-        values = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        acc = tl.dot(a, tl.trans(values.to(a.dtype)), acc)
-    return acc
 
 
 @triton.jit

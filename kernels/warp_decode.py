@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels import tuned
 from kernels.moe_inputs import moe_inputs
 from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
+from kernels.quant_tiles import fp8_values, int4_values
 from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
@@ -78,23 +79,6 @@ def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
             is_pure=False,
             pack=1,
         )
-
-
-@triton.jit
-def int4_values(words, COLS: tl.constexpr):
-    """int32 words [..., COLS / 8] -> their 4-bit values [..., COLS] as fp32 in [-8, 7]: each
-    word repeated eight times along the last dim, then shifted to its value's nibble."""
-    words = tl.interleave(words, words)
-    words = tl.interleave(words, words)
-    words = tl.interleave(words, words)
-    shifts = (tl.arange(0, COLS) % 8) * 4
-    return ((words >> shifts) & 0xF).to(tl.float32) - 8.0
-
-
-@triton.jit
-def fp8_values(stored):
-    """FP8 e4m3 bytes (stored as uint8, so masked loads can fill zeros) -> fp32 values."""
-    return stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["n_slots"])

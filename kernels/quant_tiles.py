@@ -1,0 +1,75 @@
+"""Reading quantized weights (kernels.quant) in Triton: a loaded tile of stored items to the
+values it holds, and a quantized tile into a dot. Shared by warp decode, the expert-centric
+path and the skinny GEMV."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.quant import FP8_BLOCKS, KernelWeight, scale_tile
+
+
+@triton.jit
+def int4_values(words, COLS: tl.constexpr):
+    """int32 words [..., COLS / 8] -> their 4-bit values [..., COLS] as fp32 in [-8, 7]: each
+    word repeated eight times along the last dim, then shifted to its value's nibble."""
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    shifts = (tl.arange(0, COLS) % 8) * 4
+    return ((words >> shifts) & 0xF).to(tl.float32) - 8.0
+
+
+@triton.jit
+def fp8_values(stored):
+    """FP8 e4m3 bytes (stored as uint8, so masked loads can fill zeros) -> fp32 values."""
+    return stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+# tl.dot's smallest K: an FP8 block narrower than this gets a scale per weight instead.
+MIN_DOT_K = 16
+
+
+def k_step(block_k: int, w: KernelWeight) -> int:
+    """A K step that never straddles two scales where the kernels need one scale per step: int4
+    groups, FP8 blocks of MIN_DOT_K columns or more. Narrower FP8 blocks keep `block_k`, and
+    their scales are then applied weight by weight (see `quantized_dot`)."""
+    step = scale_tile(block_k, w.scale_cols)
+    return block_k if w.format == FP8_BLOCKS and step < MIN_DOT_K else step
+
+
+@triton.jit
+def quantized_dot(
+    a,
+    w,
+    s_rows,
+    k0,
+    k_in,
+    acc,
+    FORMAT: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc + a [M, BLOCK_K] @ W^T for a loaded quantized tile w [N, stored items] of the K step
+    at k0; s_rows [N] points at each output row's scales. The dot's operands are in a's dtype.
+
+    - int4: values times their (row, group) scale, then the dot (the step is within a group);
+    - FP8, step within a block: the dot on the raw values (exact in bf16), then each output
+      column's block scale on the partial product;
+    - FP8, blocks narrower than a step: values times their own block's scale, then the dot.
+    """
+    if FORMAT == 2:
+        scale = tl.load(s_rows + k0 // SCALE_COLS).to(tl.float32)
+        acc = tl.dot(a, tl.trans((int4_values(w, BLOCK_K) * scale[:, None]).to(a.dtype)), acc)
+    elif SCALE_COLS % BLOCK_K == 0:
+        scale = tl.load(s_rows + k0 // SCALE_COLS)
+        values = w.to(tl.float8e4nv, bitcast=True).to(a.dtype)
+        part = tl.dot(a, tl.trans(values), tl.zeros(acc.shape, dtype=tl.float32))
+        acc += part * scale[None, :]
+    else:
+        cols = tl.minimum(k0 + tl.arange(0, BLOCK_K), k_in - 1) // SCALE_COLS
+        scale = tl.load(s_rows[:, None] + cols[None, :])
+        values = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        acc = tl.dot(a, tl.trans(values.to(a.dtype)), acc)
+    return acc
