@@ -181,3 +181,34 @@ def quantizable_training_config() -> dict:
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
     }
+
+
+def quantized_folder(src, dst, fmt: str, size: int):
+    """A copy of a checkpoint with every projection stored quantized (fp8: blocks of size x size;
+    int4: groups of size), as releases ship them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.loading import fp8, int4
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if t.ndim == 2 and name.endswith("_proj.weight"):
+            if fmt == "fp8":
+                out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize(t, size)
+            else:
+                out.update(int4.store(name, t, size))
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [size] * 2}
+        if fmt == "fp8"
+        else int4.quantization_config(size, ["lm_head"])
+    )
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

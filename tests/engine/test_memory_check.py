@@ -5,46 +5,21 @@ leave."""
 
 import json
 import logging
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from checkpoints import quantized_folder
 
 from engine import cli
 from engine.kv.pool import KVPool
-from engine.loading import fp8, int4, memory
+from engine.loading import memory
 from engine.loading.loader import load_model
 from engine.loading.random_model import TINY, random_model, shape_config
 from engine.model.config import ModelConfig, ModelFormatError
 from engine.model.qwen3_moe import weight_bytes
 
 GB = memory.GB
-
-
-def _quantized_folder(src, dst, fmt: str, size: int):
-    """A copy of a checkpoint with every projection stored quantized, as releases ship them."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    out = {}
-    for name, t in tensors.items():
-        if t.ndim == 2 and name.endswith("_proj.weight"):
-            if fmt == "fp8":
-                out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize(t, size)
-            else:
-                out.update(int4.store(name, t, size))
-        else:
-            out[name] = t
-    save_file(out, dst / "model.safetensors")
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = (
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [size] * 2}
-        if fmt == "fp8"
-        else int4.quantization_config(size, ["lm_head"])
-    )
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _budget(gb: float, what="allowed (--gpu-memory-gb)", capped=True) -> memory.GpuBudget:
@@ -97,7 +72,7 @@ def _hand_count(cfg: ModelConfig, projection_bytes, plain_bytes: int = 2) -> int
 def test_a_quantized_folder_estimate_counts_its_stored_bytes(
     checkpoint_factory, tmp_path, fmt, size
 ):
-    folder = _quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
+    folder = quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
     cfg = ModelConfig.from_dir(folder)
     if fmt == "fp8":  # a byte an element, an fp32 scale a 16x16 block
 
@@ -129,7 +104,7 @@ def test_weights_the_loader_dequantizes_are_counted_in_the_run_dtype(
 ):
     """FP8 blocks of 32 would straddle the experts' gate and up (48 rows each); int4 groups of 8
     are narrower than the kernels' tiles: the loader holds those in bf16, and so does the count."""
-    folder = _quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
+    folder = quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
     kept = load_model(folder, torch.bfloat16, keep_quantized=True)
     plain = load_model(folder, torch.bfloat16, keep_quantized=False)
     estimate = memory.checkpoint_weight_bytes(folder, torch.bfloat16, "cuda")
@@ -380,7 +355,7 @@ def test_serve_and_generate_refuse_before_loading(monkeypatch, tmp_path, capsys)
 def test_a_quantized_folder_too_big_points_at_its_unquantized_checkpoint(
     checkpoint_factory, tmp_path, monkeypatch
 ):
-    folder = _quantized_folder(checkpoint_factory(), tmp_path / "fp8", "fp8", 16)
+    folder = quantized_folder(checkpoint_factory(), tmp_path / "fp8", "fp8", 16)
     monkeypatch.setattr(memory, "gpu_budget", lambda device, cap_gb, log: _budget(cap_gb))
     stored = memory.checkpoint_weight_bytes(folder).total
     smaller = memory.config_weight_bytes(ModelConfig.from_dir(folder).raw, "int4").total

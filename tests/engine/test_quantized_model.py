@@ -6,15 +6,11 @@ kernels.dispatch), and the decode step runs through Triton's interpreter: the sa
 runs, over the same stored bytes.
 """
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from checkpoints import quantized_folder
 
 from engine.kv.pool import KVPool, PagedBatch
-from engine.loading import fp8, int4
 from engine.loading.loader import load_model
 from engine.loading.random_model import TINY, random_model
 from engine.model.cuda_graph import DecodeStep
@@ -22,30 +18,6 @@ from engine.model.qwen3_moe import weight_bytes
 from kernels.quant import Fp8Weight, Int4Weight, is_quantized
 
 FORMATS = [("fp8", 16), ("int4", 16), ("int4", 32)]
-
-
-def _quantized_folder(src, dst, fmt: str, size: int):
-    """A copy of a checkpoint with every projection stored quantized, as releases ship them."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    out = {}
-    for name, t in tensors.items():
-        if t.ndim == 2 and name.endswith("_proj.weight"):
-            if fmt == "fp8":
-                out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize(t, size)
-            else:
-                out.update(int4.store(name, t, size))
-        else:
-            out[name] = t
-    save_file(out, dst / "model.safetensors")
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = (
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [size] * 2}
-        if fmt == "fp8"
-        else int4.quantization_config(size, ["lm_head"])
-    )
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _logits(model, tokens):
@@ -58,7 +30,7 @@ def _logits(model, tokens):
 def test_a_quantized_folder_kept_quantized_computes_its_dequantized_weights(
     checkpoint_factory, tmp_path, fmt, size
 ):
-    folder = _quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
+    folder = quantized_folder(checkpoint_factory(), tmp_path / fmt, fmt, size)
     kept = load_model(folder, keep_quantized=True)
     plain = load_model(folder, keep_quantized=False)
     kind = Fp8Weight if fmt == "fp8" else Int4Weight
