@@ -49,7 +49,7 @@ QUANT_FORMATS = tuple(FORMAT_LABELS)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # safetensors' dtype names -> bytes per element
-_SAFETENSORS_ITEMSIZE = {
+SAFETENSORS_ITEMSIZE = {
     "F64": 8,
     "F32": 4,
     "F16": 2,
@@ -250,7 +250,7 @@ def _elements(info: dict) -> int:
 
 
 def _stored_bytes(info: dict) -> int:
-    return _elements(info) * _SAFETENSORS_ITEMSIZE.get(info.get("dtype"), 4)
+    return _elements(info) * SAFETENSORS_ITEMSIZE.get(info.get("dtype"), 4)
 
 
 def _stored_format(headers: dict[str, dict], name: str) -> str:

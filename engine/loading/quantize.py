@@ -4,10 +4,11 @@ engine/loading/int4.py).
 
 Two entry points: the state-dict helpers (`fp8_weights`, `int4_weights` and the configs that go with
 them), which training's export uses, and `quantize_folder`, behind `wd-engine quantize`, which turns
-a bf16/fp16/fp32 Hugging Face Qwen3-MoE folder into a quantized one that this engine, transformers
-and vLLM read. The folder is streamed one tensor at a time (a 30B model does not fit in memory
-twice), written into a temporary sibling folder and renamed into place only when complete, so that
-neither a failure nor a second run ever leaves a half-written or overwritten DST.
+a bf16/fp16/fp32 Hugging Face Qwen3-MoE folder into a quantized one that this engine and
+transformers read (in the formats vLLM reads too). The folder is streamed one tensor at a time (a
+30B model does not fit in memory twice), written into a temporary sibling folder and renamed into
+place only when complete, so that neither a failure nor a second run ever leaves a half-written or
+overwritten DST.
 
 What is quantized: the attention q/k/v/o projections and the gate/up/down projections of the
 experts and of any dense MLP (every 2-D `*_proj.weight`). The embedding, lm_head, routers and norms
@@ -34,6 +35,7 @@ from safetensors import safe_open
 from engine.loading import int4
 from engine.loading.checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from engine.loading.fp8 import SCALE_SUFFIX, quantize
+from engine.loading.memory import SAFETENSORS_ITEMSIZE
 from engine.model.config import ModelConfig, ModelFormatError
 
 FORMATS = ("fp8", "int4")
@@ -48,7 +50,6 @@ _DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.int32: "I32",
 }
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4}
 ROUTER_SUFFIX = ".mlp.gate.weight"
 # Weight files of a folder, replaced (safetensors) or not carried over (the other formats).
 WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|gguf)$|.*\.safetensors\.index\.json$")
@@ -247,7 +248,7 @@ def _outputs(s: _Source, to: str, block: int, group: int) -> list[tuple[str, str
 
 
 def _nbytes(dtype: str, shape: tuple) -> int:
-    return math.prod(shape) * _ITEMSIZE[dtype]
+    return math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
 
 
 def _shard_plan(sources: list[_Source], sizes: list[int], max_bytes: int) -> list[list[int]]:
@@ -280,7 +281,7 @@ class _ShardWriter:
     (widest elements first, then by name), so every tensor starts aligned to its element size."""
 
     def __init__(self, path: Path, planned: list[tuple[str, str, tuple]]):
-        order = sorted(planned, key=lambda p: (-_ITEMSIZE[p[1]], p[0]))
+        order = sorted(planned, key=lambda p: (-SAFETENSORS_ITEMSIZE[p[1]], p[0]))
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, dtype, shape in order:
