@@ -90,7 +90,7 @@ def error(fn, args) -> float:
 def warp_candidates():
     """Warp decode configs to sweep: kernel 1's rows x columns per program, kernel 2's rows."""
     for (bi, bh, warps), (dh, di, pdl) in itertools.product(
-        [(2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4), (4, 512, 8), (8, 256, 8)],
+        [(1, 2048, 4), (2, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4)],
         [(2, 128, True), (4, 128, True), (8, 128, True), (4, 256, True), (4, 128, False)],
     ):
         yield {
@@ -110,9 +110,12 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
                     replays,
                 ) / len(inputs[batch])
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-                log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}")
+                log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
                 continue
             timed.append((us, cfg))
+        if not timed:
+            log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
+            continue
         us, cfg = min(timed, key=lambda t: t[0])
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
@@ -144,6 +147,7 @@ def main(argv=None) -> int:
         inputs = {b: layers.inputs(b, seed=100 + b) for b in batches}
         if args.tune and fmt != "bf16":
             best = tune_warp(layers, inputs, args.replays, log)
+        if args.tune and fmt != "bf16" and best:
             name = tuned.shape_name(f"warp_decode_{fmt}", h, i, e, k)
             tuned.save(
                 name,
