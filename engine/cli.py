@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from engine.ipc.token_files import TokenFileError, read_token_file, runtime_token
-from engine.models import default_model_dir
+from engine.models import ModelNotFound, default_model_dir, display_name, resolve_model
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -27,8 +27,8 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.prompts.fim import FimUnsupported, build_fim_prompt, healed_text
     from engine.prompts.layout import supported_fim_orders
 
-    model_dir = args.model or default_model_dir()
     try:
+        model_dir = _model_dir(args.model)
         t0 = time.perf_counter()
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
         log = logging.getLogger("wd_engine")  # generate sets no handler: warnings go to stderr
@@ -89,12 +89,17 @@ def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n")  # keep the timings off the completion's last line
             sys.stdout.flush()
             print(_stats_line(load_s, done), file=sys.stderr)
-    except (ModelFormatError, FimUnsupported, RequestFailed, ValueError) as exc:
+    except (ModelFormatError, FimUnsupported, RequestFailed, ValueError, ModelNotFound) as exc:
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         return _reader_gone()
     return 0
+
+
+def _model_dir(name: str | None) -> Path:
+    """The folder of `--model` (engine.models.resolve_model), else the default model's."""
+    return resolve_model(name) if name else default_model_dir()
 
 
 def _reader_gone() -> int:
@@ -179,6 +184,17 @@ GPU_MEMORY_HELP = (
     "fit. Without it the free memory is the limit. CUDA only: ignored, with a warning, on the CPU"
 )
 
+MODEL_HELP = (
+    "a model folder, a Hugging Face repo id ORG/NAME[@REVISION] (from the hub cache: "
+    "`wd-engine pull` fetches it) or a name `wd-engine models` lists "
+    "(default: $WD_LSP_MODEL, else the embedded model)"
+)
+
+FIT_MEMORY_HELP = (
+    "judge the fit for one GPU of this many GB (10^9 bytes) instead of the GPUs found "
+    "(default: $WD_ENGINE_GPU_MEMORY_GB)"
+)
+
 CPU_DECODE_WEIGHTS_HELP = (
     "weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
     "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as "
@@ -227,14 +243,22 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, paths.UnsafeRuntimeDir, paths.UnsafeLogFile) as exc:
         print(f"wd-engine: cannot log: {exc}", file=sys.stderr)
         return 1
-    # Before the model loads: a path in the way or a bad token file is a quick error, not one
-    # after a long load.
+    # Before the model loads: a model not downloaded, a path in the way or a bad token file is a
+    # quick error, not one after a long load (the editor shows the `wd-engine:` line).
     try:
+        model_dir = _model_dir(args.model)
         socket_path = Path(args.socket) if args.socket else paths.socket_path()
         prepare_socket_path(socket_path)
         token = _tcp_token(args, log) if args.tcp_port is not None else None
         http = _http_options(args, log) if args.http_port is not None else None
-    except (UnsafeSocketPath, SocketInUse, TokenFileError, paths.UnsafeRuntimeDir, OSError) as exc:
+    except (
+        UnsafeSocketPath,
+        SocketInUse,
+        TokenFileError,
+        paths.UnsafeRuntimeDir,
+        OSError,
+        ModelNotFound,
+    ) as exc:
         log.error("%s", exc)
         print(f"wd-engine: {exc}", file=sys.stderr)
         return 1
@@ -247,8 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.loading.tokenizer import Tokenizer
     from engine.serve.daemon import EngineServer, ServeOptions
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    name = f"random {args.random_shape}" if args.random_shape else model_dir.name
+    name = f"random {args.random_shape}" if args.random_shape else display_name(model_dir)
     try:
         t0 = time.perf_counter()
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
@@ -335,7 +358,11 @@ def _parallel(args: argparse.Namespace) -> int:
     from engine.model.config import ModelConfig
     from engine.model.options import ModelOptions
 
-    model_dir = args.model or default_model_dir()
+    try:
+        model_dir = _model_dir(args.model)
+    except ModelNotFound as exc:
+        print(f"wd-engine: {exc}", file=sys.stderr)
+        return 1
     device = expert_parallel.init_distributed(args.device)
     try:
         experts = expert_parallel.rank_experts(ModelConfig.from_dir(model_dir).num_experts)
@@ -373,17 +400,95 @@ def _quantize(args: argparse.Namespace) -> int:
 
     try:
         summary = quantize_folder(
-            args.src,
+            resolve_model(args.src),
             args.dst,
             args.to,
             block=args.block,
             group=args.group,
             max_shard_bytes=int(args.max_shard_gb * 1e9),
         )
-    except (QuantizeError, OSError) as exc:
+    except (QuantizeError, OSError, ModelNotFound) as exc:
         print(f"wd-engine quantize: {exc}", file=sys.stderr)
         return 1
     print(summary.line(args.to))
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    """`wd-engine pull`: engine.hub.pull, its refusals as exit 1; an interrupt exits at once."""
+    import signal
+
+    from engine.hub.cache import client_temp_files
+    from engine.hub.names import parse_repo_ref
+    from engine.hub.pull import PullError, pull
+    from engine.hub.sizes import size_text
+
+    try:
+        ref = parse_repo_ref(args.repo)
+    except ValueError as exc:
+        print(f"wd-engine pull: {exc}", file=sys.stderr)
+        return 2
+
+    temp_before = client_temp_files(ref.repo_id)
+
+    def interrupted(signum, frame) -> None:
+        # The download's threads would finish their files before an exception got through:
+        # leave now. The weights' partial files stay for the next pull to continue; the hub
+        # client's own temporary files are of no use to another process.
+        for path in client_temp_files(ref.repo_id) - temp_before:
+            path.unlink(missing_ok=True)
+        sys.stderr.write(
+            f"\nwd-engine pull: interrupted; run `wd-engine pull {ref}` again to resume\n"
+        )
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        done = pull(ref, args.include_format)
+    except PullError as exc:
+        print(f"wd-engine pull: {exc}", file=sys.stderr)
+        return 1
+    fmt = f"{done.format}, " if done.format else ""
+    print(f"{ref}: {fmt}{size_text(done.total_bytes)} in {done.path}")
+    print(
+        f"use it: --model {ref}, or WD_LSP_MODEL={ref} (the editor's `model` setting); "
+        "`wd-engine models` says whether it fits this machine"
+    )
+    return 0
+
+
+def _gpu_override(args: argparse.Namespace) -> float | None:
+    from engine.inventory.machine import gpu_memory_override
+
+    return gpu_memory_override(args.gpu_memory_gb)
+
+
+def _models(args: argparse.Namespace) -> int:
+    """`wd-engine models`: engine.inventory.report as a table or JSON."""
+    import json
+
+    from engine.inventory.report import as_json, build_report, render_text
+
+    try:
+        report = build_report(_gpu_override(args))
+    except ValueError as exc:
+        print(f"wd-engine models: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_json(report), indent=2) if args.json else render_text(report))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """`wd-engine doctor`: engine.inventory.doctor's one screen."""
+    from engine.inventory import doctor
+
+    try:
+        print(doctor.report(_gpu_override(args)))
+    except ValueError as exc:
+        print(f"wd-engine doctor: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -446,9 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wd-engine", description="The wd-lsp inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete a prompt and print only the new text")
-    gen.add_argument(
-        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
-    )
+    gen.add_argument("--model", help=MODEL_HELP)
     gen.add_argument("--prompt", help="plain text prompt")
     gen.add_argument("--fim-prefix", help="text before the cursor (builds a FIM prompt)")
     gen.add_argument("--fim-suffix", help="text after the cursor (builds a FIM prompt)")
@@ -479,9 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="run the resident engine daemon")
-    serve.add_argument(
-        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
-    )
+    serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--socket", help="Unix socket path (default: under $XDG_RUNTIME_DIR/wd-lsp)")
     serve.add_argument(
         "--tcp-port", type=int, help="also listen on TCP (0 picks a free port); needs a token"
@@ -582,9 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel generation, one process per GPU: "
         "torchrun --nproc-per-node N -m engine.cli parallel --prompt TEXT",
     )
-    par.add_argument(
-        "--model", help="Hugging Face model folder (default: the embedded model, or $WD_LSP_MODEL)"
-    )
+    par.add_argument("--model", help=MODEL_HELP)
     par.add_argument("--prompt", required=True, help="plain text prompt")
     par.add_argument("--max-tokens", type=int, default=32)
     par.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
@@ -621,9 +720,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="largest weight file written (default 5 GB); more get an index",
     )
-    quant.add_argument("src", metavar="SRC", help="the Hugging Face model folder to quantize")
+    quant.add_argument(
+        "src", metavar="SRC", help="the model to quantize: a folder, or a repo id pulled before"
+    )
     quant.add_argument("dst", metavar="DST", help="the new folder (must not exist)")
     quant.set_defaults(run=_quantize)
+
+    from engine.hub.files import FORMATS  # no torch: --help stays instant
+
+    pull = commands.add_parser(
+        "pull",
+        help="download a Hugging Face model's engine files (config, tokenizer, safetensors) into "
+        "the hub cache, resuming an interrupted pull; HF_TOKEN for gated models, HF_ENDPOINT "
+        "for a mirror",
+    )
+    pull.add_argument(
+        "repo", metavar="REPO[@REVISION]", help="e.g. Qwen/Qwen3-Coder-30B-A3B-Instruct"
+    )
+    pull.add_argument(
+        "--include-format",
+        choices=FORMATS,
+        help="the weights' format to accept (bf16: unquantized), checked in config.json before "
+        "any weight is downloaded; another format is refused with what to pull or run instead",
+    )
+    pull.set_defaults(run=_pull)
+
+    models = commands.add_parser(
+        "models",
+        help="the models on this machine (hub cache, model folders, the embedded one): "
+        "architecture, format, size, context, whether each fits the GPU and the CPU memory, "
+        "and the default",
+    )
+    models.add_argument("--json", action="store_true", help="as JSON, with each model's path")
+    models.add_argument("--gpu-memory-gb", type=float, help=FIT_MEMORY_HELP)
+    models.set_defaults(run=_models)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="one screen on this set-up: Python, torch, CUDA and the GPUs, Triton, the hub, "
+        "the engine daemon, the editor integrations, the models and whether they fit",
+    )
+    doctor.add_argument("--gpu-memory-gb", type=float, help=FIT_MEMORY_HELP)
+    doctor.set_defaults(run=_doctor)
     return parser
 
 

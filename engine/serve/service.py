@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.core.request import ContextExceeded, Event, Request, check_prompt
 from engine.decoding.token_healing import token_healer
 from engine.ipc.protocol import CompletionParams
+from engine.models import display_name
 from engine.prompts.layout import (
     MAX_PROMPT_TOKENS,
     UNBOUNDED_TEXT_BYTES,
@@ -96,7 +97,7 @@ class CompletionService:
     # -- the model's facts ----------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        return self.model_dir.name
+        return display_name(self.model_dir)
 
     @property
     def context_length(self) -> int:
@@ -229,6 +230,7 @@ class CompletionService:
             deadline_s=None if p.deadline_ms is None else p.deadline_ms / 1000.0,
             forced_text=prompt.forced_text,
             beams=p.beams,
+            n=p.n,
             id=request_id,
         )
 
