@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from engine.ipc.protocol import MAX_BEAMS
+from engine.ipc.protocol import MAX_BEAMS, MAX_COMPLETIONS
 
 MODEL_ENV_VAR = "WD_LSP_MODEL"
 MULTILINE_POLICIES = ("auto", "single", "multi")
 BACKENDS = ("engine", "openai")
 FIM_MODES = ("template", "suffix")
+DEBOUNCE_MODES = ("adaptive", "fixed")
 # Defaults from the environment, for editors whose settings UI lacks these keys (VS Code's
 # `wdLsp.server.env` passes them) and to keep keys out of settings files.
 BACKEND_ENV_VAR = "WD_LSP_BACKEND"
@@ -61,6 +62,10 @@ class Settings:
     # "engine": the resident daemon; "openai": an OpenAI-compatible server
     backend: str = field(default_factory=lambda: _env(BACKEND_ENV_VAR, "engine", BACKENDS))
     openai: OpenAIServer = field(default_factory=OpenAIServer)
+    # "adaptive": the wait follows the user's typing speed and the engine's latency
+    # (wd_lsp.debounce); "fixed": always `debounce_ms`, which is also the adaptive wait until the
+    # document has seen some typing.
+    debounce: str = "adaptive"
     debounce_ms: int = 60
     max_tokens: int = 64
     multiline: str = "auto"
@@ -70,6 +75,8 @@ class Settings:
     # Single-line completions by beam search over this many hypotheses (1: greedy); more exact
     # lines for a little more time (BENCHMARKS.md, "Beam search for single-line completions").
     beams: int = 2
+    # Distinct inline suggestions per request at most, best first (1: one, as before).
+    suggestions: int = 3
     warm_on_change: bool = True
     request_timeout_ms: int = 10_000
 
@@ -81,6 +88,7 @@ class Settings:
 _FIELDS = {
     "enabled": ("enabled", lambda v: isinstance(v, bool)),
     "model": ("model", lambda v: v is None or isinstance(v, str)),
+    "debounce": ("debounce", lambda v: v in DEBOUNCE_MODES),
     "debounceMs": (
         "debounce_ms",
         lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 5000,
@@ -105,6 +113,10 @@ _FIELDS = {
     "beams": (
         "beams",
         lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BEAMS,
+    ),
+    "suggestions": (
+        "suggestions",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_COMPLETIONS,
     ),
     "warmOnChange": ("warm_on_change", lambda v: isinstance(v, bool)),
     "requestTimeoutMs": (

@@ -31,7 +31,7 @@ from engine.ipc.client import (
     SpawnConfig,
     SpawnFailed,
 )
-from engine.ipc.protocol import FEATURE_BEAMS, hello_features
+from engine.ipc.protocol import FEATURE_BEAMS, FEATURE_N, hello_features
 
 from .config import Settings
 from .context import CompletionContext, encodable
@@ -70,6 +70,25 @@ class EngineAnswer:
     stopped_early: bool  # a stop rule fired in the server and the engine was cancelled
     usage: dict | None
     first_token_ms: float | None
+    # Other completions the engine found (a beam search asked for n > 1), best first.
+    alternatives: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A sampled completion instead of the settings' decoding (an extra suggestion)."""
+
+    temperature: float
+    top_p: float
+    seed: int
+
+
+def _alternatives(result) -> tuple[str, ...]:
+    """The `alternatives` of a `complete` result, nothing taken on trust."""
+    found = result.get("alternatives") if isinstance(result, dict) else None
+    if not isinstance(found, list):
+        return ()
+    return tuple(t for t in found if isinstance(t, str))
 
 
 class EngineLink:
@@ -207,8 +226,17 @@ class EngineLink:
     def _reset_backoff(self) -> None:
         self._backoff_s, self._retry_at = 0.0, 0.0
 
-    async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
-        """Stream a completion, stopping the engine as soon as a stop rule fires."""
+    async def complete(
+        self,
+        ctx: CompletionContext,
+        rules: StopRules,
+        key: str,
+        n: int = 1,
+        sampling: Sampling | None = None,
+    ) -> EngineAnswer:
+        """Stream a completion, stopping the engine as soon as a stop rule fires. `n` > 1 asks
+        for up to n - 1 alternatives (a beam search finds them); `sampling` samples instead of
+        the settings' decoding."""
         s = self.settings
         params = dict(
             prefix=ctx.prefix,
@@ -221,16 +249,25 @@ class EngineLink:
             client=encodable(key),
             deadline_ms=s.request_timeout_ms,
         )
+        if sampling is not None:
+            params.update(
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed
+            )
+            return await self._complete(params, rules, beams=1)
         # A block streams as greedy writes it: beams only for a single line.
-        return await self._complete(params, rules, beams=1 if rules.multiline else s.beams)
+        return await self._complete(params, rules, beams=1 if rules.multiline else s.beams, n=n)
 
-    async def _complete(self, params: dict, rules: StopRules, beams: int) -> EngineAnswer:
+    async def _complete(
+        self, params: dict, rules: StopRules, beams: int, n: int = 1
+    ) -> EngineAnswer:
         s = self.settings
         client = await self.ensure_connected()
         # Only an engine that says it takes beams gets them: a daemon started by an older wd-lsp
         # stays resident and refuses the parameter.
         if beams > 1 and FEATURE_BEAMS in self.engine_features:
             params["beams"] = beams
+            if n > 1 and FEATURE_N in self.engine_features:
+                params["n"] = n
         guard_s = s.request_timeout_ms / 1000 + CLIENT_GRACE_S
         started = time.monotonic()
         first_token_ms = None
@@ -264,7 +301,9 @@ class EngineLink:
         if self._timeout_logged:
             self._timeout_logged = False
             self._set_state("ready", "the engine answers again")
-        return EngineAnswer(text, stopped, stream.result, first_token_ms)
+        return EngineAnswer(
+            text, stopped, stream.result, first_token_ms, _alternatives(stream.result)
+        )
 
     def _cancel_soon(self, stream: CompletionStream) -> None:
         """Tell the engine to stop, without waiting for it: a stopped engine never acknowledges,

@@ -26,7 +26,7 @@ from engine.ipc.client import EngineUnavailable
 
 from .config import Settings
 from .context import CompletionContext
-from .engine_link import CLIENT_GRACE_S, EngineAnswer
+from .engine_link import CLIENT_GRACE_S, EngineAnswer, Sampling
 from .shape import StopRules, apply_stop_rules
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,23 @@ class OpenAIBackend:
         self._set_state("ready", f"ready: {self.model} at {s.base_url}")
         return self.http
 
-    async def complete(self, ctx: CompletionContext, rules: StopRules, key: str) -> EngineAnswer:
+    async def complete(
+        self,
+        ctx: CompletionContext,
+        rules: StopRules,
+        key: str,
+        n: int = 1,
+        sampling: Sampling | None = None,
+    ) -> EngineAnswer:
         """Stream a completion, closing the stream as soon as a stop rule fires. A server that
         refuses the prompt as longer than its model's context (the budget counts tokens by an
         estimate, and dense code has more) gets it once more with half the prefix, and the
-        context the budget fits shrinks for the requests after it."""
+        context the budget fits shrinks for the requests after it. One completion per request
+        (`n` is not passed on: OpenAI's `n` samples, it never searches); `sampling` samples
+        instead of the settings' decoding."""
         self.counters["requests"] += 1
         try:
-            return await self._complete(ctx, rules)
+            return await self._complete(ctx, rules, sampling)
         except ContextTooLong as exc:
             self._shrink_context(exc)
             shorter = _half_prefix(ctx)
@@ -141,7 +150,7 @@ class OpenAIBackend:
                 raise
         self.counters["context_retries"] += 1
         try:
-            return await self._complete(shorter, rules)
+            return await self._complete(shorter, rules, sampling)
         except ContextTooLong as exc:
             self._shrink_context(exc)
             self.counters["errors"] += 1
@@ -159,7 +168,9 @@ class OpenAIBackend:
             self._context_logged = True
             log.warning("%s; prompts now fit %s tokens", exc, info.get("max_context", "fewer"))
 
-    async def _complete(self, ctx: CompletionContext, rules: StopRules) -> EngineAnswer:
+    async def _complete(
+        self, ctx: CompletionContext, rules: StopRules, sampling: Sampling | None = None
+    ) -> EngineAnswer:
         s = self.settings
         http = await self.ensure_connected()
         stops = list(rules.stop_strings)
@@ -170,6 +181,8 @@ class OpenAIBackend:
             stream=True,
             stream_options={"include_usage": True},
         )
+        if sampling is not None:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
         if s.openai.fim == "suffix":
             body.update(prompt=ctx.prefix, suffix=ctx.suffix)
         else:

@@ -5,6 +5,18 @@ Every handler is async and awaits only cancellable things, so the event loop nev
 document supersedes the older one even when the client never cancels it. While the user types,
 the engine is warmed with the prompt at the cursor, so the completion that follows only computes
 the few new tokens.
+
+An inline answer holds up to `suggestions` distinct items, best first (`wd_lsp.answer` has their
+shape; each carries the `wdLsp.accepted` command with its ID, `wd_lsp.acceptance`). Where they
+come from:
+- every inline request asks the engine for `suggestions` completions; a beam search (a single
+  line on the CPU engine) returns the other lines it finished, within a margin of the best, for
+  a few more beam steps (engine.decoding.beam_search);
+- a request the user asked for (trigger kind Invoked: a manual trigger, or an editor asking for
+  more to cycle through) also samples `suggestions - 1` completions beside it. Requests made while
+  typing never do: the extra sequences would slow the first suggestion (on the CPU the engine
+  computes every row, and a lone greedy sequence is the one it speculates on).
+The texts are post-processed, then empty and repeated ones dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 
 from lsprotocol import types as T
 from pygls.capabilities import ServerCapabilitiesBuilder
@@ -23,10 +36,14 @@ from pygls.lsp.server import LanguageServer
 from engine.ipc.client import EngineError, EngineUnavailable
 
 from . import __version__
+from .acceptance import AcceptanceStats, command_argument
+from .answer import Selected, distinct, select_item, with_selected
 from .config import Settings, merge_settings
 from .context import Budget, build_context
-from .engine_link import EngineLink
+from .debounce import Debounce
+from .engine_link import EngineLink, Sampling
 from .postprocess import postprocess
+from .progress import EngineProgress
 from .protocol import WdProtocol
 from .shape import decide_shape
 from .suggestions import SuggestionMemory
@@ -38,8 +55,40 @@ log = logging.getLogger(__name__)
 CMD_STATUS = "wdLsp.status"
 CMD_RESTART = "wdLsp.restartEngine"
 CMD_DOCUMENT_STATE = "wdLsp.documentState"
+CMD_ACCEPTED = "wdLsp.accepted"
+CMD_SHOWN = "wdLsp.shown"
 STATUS_NOTIFICATION = "wdLsp/status"
 WARM_DELAY_S = 0.03  # let a burst of keystrokes settle before warming
+# The extra suggestions of an Invoked request: sampled, reproducibly (seeds 1, 2, ...).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95
+
+
+@dataclass
+class Answer:
+    """Suggestions at a cursor, and what an item replaces: the line from its start to `end`
+    (the cursor, or the end of a selected completion item's range), which reads `head`."""
+
+    cursor: T.Position
+    end: T.Position
+    head: str
+    suggestions: list[tuple[str, str | None]]  # (text, acceptance ID), best first
+
+    def inline_items(self) -> list[T.InlineCompletionItem]:
+        start = T.Position(line=self.end.line, character=0)
+        return [
+            T.InlineCompletionItem(
+                insert_text=self.head + text,
+                range=T.Range(start=start, end=self.end),
+                command=None
+                if item_id is None
+                else T.Command(
+                    title="wd-lsp accepted",
+                    command=CMD_ACCEPTED,
+                    arguments=[{"id": item_id, "kind": "full"}],
+                ),
+            )
+            for text, item_id in self.suggestions
+        ]
 
 
 class WdLanguageServer(LanguageServer):
@@ -48,6 +97,8 @@ class WdLanguageServer(LanguageServer):
         self.settings = Settings()
         self.docs = Workspace()
         self.memory = SuggestionMemory()
+        self.acceptance = AcceptanceStats()
+        self.debounce = Debounce()
         self.engine = EngineLink(self._on_engine_state, self._on_engine_progress)
         self.instance = uuid.uuid4().hex[:8]
         self.inflight: dict[str, asyncio.Task] = {}  # uri -> running completion
@@ -55,9 +106,22 @@ class WdLanguageServer(LanguageServer):
         self.latencies_ms: deque[float] = deque(maxlen=200)
         self.overheads_ms: deque[float] = deque(maxlen=200)  # request time not spent in the engine
         self.counters = dict(
-            requests=0, engine_calls=0, typing_through=0, empty=0, superseded=0, errors=0, warms=0
+            requests=0,
+            engine_calls=0,
+            typing_through=0,
+            empty=0,
+            superseded=0,
+            errors=0,
+            warms=0,
+            invoked=0,
+            sampled=0,
+            selected=0,
         )
-        self._progress_token: str | None = None
+        self.progress = EngineProgress(
+            lambda method, params: self.protocol.send_request(method, params),
+            lambda method, params: self.protocol.notify(method, params),
+        )
+        self.engine_message: str | None = None  # the last thing the engine's state said
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shown_start_error: str | None = None  # told in a message box: not again
 
@@ -101,6 +165,7 @@ class WdLanguageServer(LanguageServer):
 
     def _on_engine_state(self, state: str, message: str) -> None:
         level = T.MessageType.Error if state == "error" else T.MessageType.Info
+        self.engine_message = message
         self.log(message, level)
         self._notify_status(state, message)
         if state == "ready":
@@ -111,32 +176,18 @@ class WdLanguageServer(LanguageServer):
             # a model that cannot load, or does not fit the GPU, is shown once.
             self._shown_start_error = start_error
             self._show_error(f"wd-lsp: the engine could not start: {start_error}")
-        if state in ("ready", "error") and self._progress_token:
-            self.work_done_progress.end(
-                self._progress_token, T.WorkDoneProgressEnd(message=message)
-            )
-            self._progress_token = None
+        if state in ("ready", "error"):
+            self.progress.end(message)
 
     def _on_engine_progress(self, message: str) -> None:
         # Called from the spawning thread: hop onto the loop.
         self._loop.call_soon_threadsafe(self._progress, message)
 
     def _progress(self, message: str) -> None:
+        self.engine_message = message
         self._notify_status("loading", message)
-        try:
-            if self._progress_token is None:
-                self._progress_token = f"wd-lsp-engine-{uuid.uuid4().hex[:6]}"
-                self.work_done_progress.create(self._progress_token)
-                self.work_done_progress.begin(
-                    self._progress_token,
-                    T.WorkDoneProgressBegin(title="wd-lsp engine", message=message),
-                )
-            else:
-                self.work_done_progress.report(
-                    self._progress_token, T.WorkDoneProgressReport(message=message)
-                )
-        except Exception:  # noqa: BLE001 - progress is a courtesy; some clients refuse it
-            pass
+        if self.engine.state != "ready":  # else a late message: its progress has ended
+            self.progress.report(message)
 
     def status(self) -> dict:
         lat = sorted(self.latencies_ms)
@@ -145,6 +196,7 @@ class WdLanguageServer(LanguageServer):
             enabled=self.settings.enabled,
             engine=self.engine.state,
             engineError=getattr(self.engine, "error", None),
+            engineMessage=self.engine_message,
             model=(self.engine.model_info or {}).get("name"),
             lastLatencyMs=self.latencies_ms[-1] if lat else None,
             p50LatencyMs=lat[len(lat) // 2] if lat else None,
@@ -152,14 +204,29 @@ class WdLanguageServer(LanguageServer):
             p50OverheadMs=sorted(self.overheads_ms)[len(self.overheads_ms) // 2]
             if self.overheads_ms
             else None,
+            debounce=self.settings.debounce,
+            lastDebounceMs=self.debounce.last_wait_ms,
+            suggestions=self.settings.suggestions,
+            acceptance=self.acceptance.summary(),
             **self.counters,
         )
 
     # -- completions ----------------------------------------------------------------------------
-    async def inline_items(self, uri: str, position: T.Position) -> list[tuple[str, T.Position]]:
-        """[(insert text, cursor position)] — at most one suggestion; [] when there is none."""
+    async def answer(
+        self,
+        uri: str,
+        position: T.Position,
+        *,
+        n: int = 1,
+        invoked: bool = False,
+        selected=None,
+    ) -> Answer | None:
+        """Up to `n` suggestions at `position`, best first, each with an acceptance ID; None when
+        there is none. `selected`: a selected completion item (`selectedCompletionInfo`), ignored
+        where it does not fit."""
         started = time.monotonic()
         self.counters["requests"] += 1
+        self.counters["invoked"] += invoked
         doc = self.docs.get(uri)
         s = self.settings
         if (
@@ -167,46 +234,70 @@ class WdLanguageServer(LanguageServer):
             or not s.enabled
             or not s.language_enabled(doc.language_id or doc.language.name)
         ):
-            return []
+            return None
         if doc.decline_reason:
             self.log(f"no completion for {uri}: file is {doc.decline_reason}")
-            return []
+            return None
         offset = doc.resolve(position).offset
-        cursor = doc.position_at(offset)
-        rest = self.memory.continue_from(uri, doc.text, offset)
-        if rest is not None:
-            self.counters["typing_through"] += 1
-            self._record_latency(started)
-            return [(rest, cursor)]
+        cursor = _lsp_position(doc.position_at(offset))
+        line_start = doc.line_start(doc.line_at(offset))
+        sel = select_item(doc, offset, selected) if selected is not None else None
+        if sel is not None:
+            self.counters["selected"] += 1
+            answer = Answer(cursor, _lsp_position(doc.position_at(sel.end)), sel.head, [])
+        else:
+            answer = Answer(cursor, cursor, doc.text[line_start:offset], [])
+            # An Invoked request asks for fresh suggestions (a manual trigger, or more to cycle).
+            rests = [] if invoked else self.memory.continue_from(uri, doc.text, offset)
+            if rests:
+                self.counters["typing_through"] += 1
+                self._record_latency(started)
+                answer.suggestions = rests[:n]
+                return answer
         previous = self.inflight.get(uri)
         if previous is not None and not previous.done():
             previous.cancel()
             self.counters["superseded"] += 1
         # The text this request is about: an edit during the debounce or the engine call makes
         # the answer stale (its offset and cursor would point into changed text).
-        task = asyncio.ensure_future(self._complete_at(doc, offset, started, doc.generation))
+        task = asyncio.ensure_future(
+            self._complete_at(doc, offset, started, doc.generation, n, invoked, sel)
+        )
         self.inflight[uri] = task
         try:
-            text = await task
+            texts = await task
         except asyncio.CancelledError:
             if not task.done():
                 task.cancel()
             if asyncio.current_task().cancelling():
                 raise
-            return []  # superseded by a newer request
+            return None  # superseded by a newer request
         finally:
             if self.inflight.get(uri) is task:
                 del self.inflight[uri]
-        if not text:
+        if not texts:
             self.counters["empty"] += 1
-            return []
-        self.memory.remember(uri, doc.text[:offset], offset, text)
-        return [(text, cursor)]
+            return None
+        language = doc.language_id or doc.language.name
+        answer.suggestions = [(text, self.acceptance.issue(language)) for text in texts]
+        if sel is None:
+            self.memory.remember(uri, doc.text[:offset], offset, answer.suggestions)
+        return answer
 
-    async def _complete_at(self, doc, offset: int, started: float, generation: int) -> str | None:
+    async def _complete_at(
+        self,
+        doc,
+        offset: int,
+        started: float,
+        generation: int,
+        n: int = 1,
+        invoked: bool = False,
+        sel: Selected | None = None,
+    ) -> list[str] | None:
         s = self.settings
-        if s.debounce_ms:
-            await asyncio.sleep(s.debounce_ms / 1000)
+        wait_s = self.debounce.remaining_s(doc.uri, s.debounce, s.debounce_ms, invoked)
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
         if doc.generation != generation:
             return None  # typed over during the debounce: a newer request is on its way
         try:
@@ -218,31 +309,53 @@ class WdLanguageServer(LanguageServer):
             return None
         ctx = build_context(
             doc,
-            doc.position_at(offset),
+            doc.position_at(sel.end if sel is not None else offset),
             open_documents=self.docs.documents(),
             recent_edits=self.docs.recent_edits(),
             budget=self._budget(),
             root=self.docs.root,
         )
+        if sel is not None:
+            ctx = with_selected(ctx, sel)
+            if ctx is None:
+                return None  # the item's range lies before the prompt's start
         rules = decide_shape(ctx, s.multiline, s.max_lines)
         self.counters["engine_calls"] += 1
+        key = f"{self.instance}:{doc.uri}"
+        calls = [self.engine.complete(ctx, rules, key=key, n=n)]
+        if invoked and n > 1:
+            self.counters["sampled"] += n - 1
+            calls += [
+                self.engine.complete(
+                    ctx,
+                    rules,
+                    key=f"{key}#sample{seed}",
+                    sampling=Sampling(SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed),
+                )
+                for seed in range(1, n)
+            ]
         engine_started = time.monotonic()
-        try:
-            answer = await self.engine.complete(ctx, rules, key=f"{self.instance}:{doc.uri}")
-        except EngineUnavailable:
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        main = answers[0]
+        if isinstance(main, EngineUnavailable):
             self.counters["errors"] += 1
             return None
-        except EngineError as exc:
+        if isinstance(main, EngineError):
             self.counters["errors"] += 1
-            self.log(f"completion failed: {exc}", T.MessageType.Warning)
+            self.log(f"completion failed: {main}", T.MessageType.Warning)
             return None
+        if isinstance(main, BaseException):
+            raise main
         if doc.generation != generation:
             return None  # the document changed while we waited: the answer is for old text
         engine_s = time.monotonic() - engine_started
-        text = postprocess(answer.text, ctx, rules)
+        self.debounce.engine_took(1000 * engine_s)
+        found = [main.text, *main.alternatives]
+        found += [a.text for a in answers[1:] if not isinstance(a, BaseException)]
+        texts = distinct(postprocess(text, ctx, rules) for text in found)[:n]
         self._record_latency(started)
-        self.overheads_ms.append(self.latencies_ms[-1] - 1000 * engine_s - s.debounce_ms)
-        return text
+        self.overheads_ms.append(self.latencies_ms[-1] - 1000 * engine_s - 1000 * max(wait_s, 0.0))
+        return texts
 
     def _budget(self) -> Budget:
         """The context budget, fitted to the engine's model once it has said what its context is."""
@@ -292,6 +405,10 @@ class WdLanguageServer(LanguageServer):
             pass
 
 
+def _lsp_position(pos) -> T.Position:
+    return T.Position(line=pos.line, character=pos.character)
+
+
 server = WdLanguageServer()
 
 
@@ -302,6 +419,8 @@ def on_initialize(ls: WdLanguageServer, params: T.InitializeParams):
     # initialize result; every document counts its positions in it.
     chosen = ServerCapabilitiesBuilder.choose_position_encoding(params.capabilities)
     ls.docs.encoding = str(getattr(chosen, "value", chosen))
+    window = params.capabilities.window
+    ls.progress.supported = bool(window is not None and window.work_done_progress)
     ls.settings = merge_settings(
         ls.settings, params.initialization_options, warn=lambda m: ls.log(m, T.MessageType.Warning)
     )
@@ -359,6 +478,7 @@ def on_change(ls: WdLanguageServer, params: T.DidChangeTextDocumentParams):
             doc = ls.docs.change(uri, change.text, version=version)
     if doc is None:
         return
+    ls.debounce.edited(uri)
     last = params.content_changes[-1] if params.content_changes else None
     if isinstance(last, T.TextDocumentContentChangePartial) and doc.last_change is not None:
         # The cursor is (almost always) right after the inserted text.
@@ -369,39 +489,45 @@ def on_change(ls: WdLanguageServer, params: T.DidChangeTextDocumentParams):
 def on_close(ls: WdLanguageServer, params: T.DidCloseTextDocumentParams):
     ls.docs.close(params.text_document.uri)
     ls.memory.forget(params.text_document.uri)
+    ls.debounce.forget(params.text_document.uri)
 
 
 @server.feature(T.TEXT_DOCUMENT_INLINE_COMPLETION, T.InlineCompletionOptions())
 async def on_inline_completion(ls: WdLanguageServer, params: T.InlineCompletionParams):
+    context = params.context
+    invoked = context is not None and context.trigger_kind == T.InlineCompletionTriggerKind.Invoked
+    selected = context.selected_completion_info if context is not None else None
     try:
-        items = await ls.inline_items(params.text_document.uri, params.position)
+        answer = await ls.answer(
+            params.text_document.uri,
+            params.position,
+            n=ls.settings.suggestions,
+            invoked=invoked,
+            selected=selected,
+        )
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - a completion bug must never break the editor
         log.exception("inline completion failed")
         ls.log(f"inline completion failed: {exc}", T.MessageType.Error)
         return T.InlineCompletionList(items=[])
-    return T.InlineCompletionList(
-        items=[
-            T.InlineCompletionItem(insert_text=text, range=T.Range(start=pos, end=pos))
-            for text, pos in items
-        ]
-    )
+    return T.InlineCompletionList(items=answer.inline_items() if answer is not None else [])
 
 
 @server.feature(T.TEXT_DOCUMENT_COMPLETION, T.CompletionOptions(trigger_characters=[".", "(", " "]))
 async def on_completion(ls: WdLanguageServer, params: T.CompletionParams):
     """For clients without inline completion: the suggestion as one completion item."""
     try:
-        items = await ls.inline_items(params.text_document.uri, params.position)
+        answer = await ls.answer(params.text_document.uri, params.position)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001
         log.exception("completion failed")
         ls.log(f"completion failed: {exc}", T.MessageType.Error)
-        items = []
+        answer = None
     out = []
-    for text, pos in items:
+    for text, _ in answer.suggestions if answer is not None else ():
+        pos = answer.cursor
         first = text.split("\n", 1)[0].strip() or text.strip()
         out.append(
             T.CompletionItem(
@@ -415,6 +541,27 @@ async def on_completion(ls: WdLanguageServer, params: T.CompletionParams):
             )
         )
     return T.CompletionList(is_incomplete=True, items=out)
+
+
+@server.command(CMD_ACCEPTED)
+def cmd_accepted(ls: WdLanguageServer, *args):
+    """An item was accepted: [{"id": ID, "kind": "full" | "word" | "line"}] (kind "full" if
+    left out). Counted once per item and kind; anything else is ignored."""
+    arg = command_argument(args)
+    if arg is None:
+        log.debug("wdLsp.accepted without a map argument: ignored")
+        return {"counted": False}
+    return {"counted": ls.acceptance.accepted(arg.get("id"), arg.get("kind", "full"))}
+
+
+@server.command(CMD_SHOWN)
+def cmd_shown(ls: WdLanguageServer, *args):
+    """An item was displayed: [{"id": ID}]. Counted once per item."""
+    arg = command_argument(args)
+    if arg is None:
+        log.debug("wdLsp.shown without a map argument: ignored")
+        return {"counted": False}
+    return {"counted": ls.acceptance.shown(arg.get("id"))}
 
 
 @server.command(CMD_STATUS)

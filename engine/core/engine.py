@@ -11,7 +11,9 @@ synchronously.
 Two decoding strategies run beside plain decode steps, where the lean CPU path applies:
 - a greedy request that asks for beams (`Request.beams`, a single line at the cursor) is searched
   with a beam (engine.decoding.beam_search): one forward of its beams' rows a step, their own K/V
-  beside the prompt's shared blocks, the chosen text released at the end;
+  beside the prompt's shared blocks, the chosen text released at the end (and, asked for
+  `Request.n` > 1, other lines the search finished, each through an output path of its own, in
+  the final event);
 - a lone greedy sequence decodes speculatively (engine.decoding.speculative): a prompt-lookup
   draft verified by one forward, its accepted tokens released one by one as plain steps would.
 
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from engine.core.options import EngineOptions
-from engine.core.output import OutputSetup
+from engine.core.output import OutputAssembler, OutputSetup
 from engine.core.request import (
     Completion,
     Event,
@@ -316,6 +318,7 @@ class Engine:
             req.stop_at_eos,
             req.forced_text,
             self.chooser,
+            alternatives=req.n - 1,
         )
         state.first_logits = logits.clone() if req.return_logits else None
         state.beam = BeamRun(search, self.model.config.num_layers)
@@ -338,12 +341,37 @@ class Engine:
         self._finish(state, state.output.finish_reason or "eos")
 
     def _release_beam_answer(self, state: RequestState, tokens: list[int]) -> None:
-        state.beam = None
+        run, state.beam = state.beam, None
         state.first_token = time.monotonic()  # the first text the client sees
         for token in tokens:
             self._push(state, token)
             if state.output.finished:
                 break
+        state.alternative_tokens = run.alternatives()
+
+    def _alternative_texts(self, state: RequestState) -> list[str]:
+        """The texts of a search's other lines, as the answer's output path would write them
+        (stops, healed text, budget), without the answer's text, blank or repeated ones."""
+        req, texts = state.request, []
+        seen = {state.output.text}
+        for tokens in state.alternative_tokens:
+            output = OutputAssembler(
+                self.tokenizer,
+                state.output.max_tokens,
+                req.stop,
+                req.stop_at_eos,
+                skip_text=req.forced_text,
+            )
+            text = ""
+            for token in tokens:
+                text += output.push(token)
+                if output.finished:
+                    break
+            text += output.finish("eos")
+            if text.strip() and text not in seen:
+                seen.add(text)
+                texts.append(text)
+        return texts
 
     # -- endings ----------------------------------------------------------------------------------
     def _end(self, state: RequestState, reason: str) -> None:
@@ -370,6 +398,7 @@ class Engine:
             usage=usage,
             logits=state.first_logits,
             token_ids=token_ids,
+            alternatives=self._alternative_texts(state) if state.alternative_tokens else None,
         )
         self._emit(state, done)
 

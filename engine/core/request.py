@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.ipc.protocol import MAX_BEAMS, ErrorCode
+from engine.ipc.protocol import MAX_BEAMS, MAX_COMPLETIONS, ErrorCode
 
 
 class RequestRefused(RuntimeError):
@@ -76,11 +76,13 @@ def check_prompt(prompt_tokens: int, context_length: int, max_tokens: int | None
 
 
 def check_request(request: Request, context_length: int) -> None:
-    """Refuse what the engine can never run, whatever the pool holds: the prompt's checks, and a
-    beam width outside what one lean forward takes."""
+    """Refuse what the engine can never run, whatever the pool holds: the prompt's checks, a
+    beam width outside what one lean forward takes, and more completions than one answer holds."""
     check_prompt(len(request.prompt_ids), context_length)
     if not 1 <= request.beams <= MAX_BEAMS:
         raise BadRequest(f"beams must be within 1..{MAX_BEAMS}, got {request.beams}")
+    if not 1 <= request.n <= MAX_COMPLETIONS:
+        raise BadRequest(f"n must be within 1..{MAX_COMPLETIONS}, got {request.n}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class Request:
     return_logits: bool = False  # the first sampled position's logits in the final event
     forced_text: str = ""  # the first tokens must write this, and it is not released (healing)
     beams: int = 1  # > 1: beam search where greedy and the lean CPU path apply
+    # Completions wanted: with a beam search, up to n - 1 alternatives come in the final event.
+    n: int = 1
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -139,6 +143,8 @@ class Event:
     logits: torch.Tensor | None = None
     code: ErrorCode | None = None  # an error's code
     token_ids: list[int] | None = None  # done: the tokens that wrote the forced text, then the rest
+    # done: other completions' texts, best first, distinct from the text and each other (n > 1)
+    alternatives: list[str] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -162,6 +168,7 @@ class Completion:
     logits: torch.Tensor | None = None
     error: str | None = None
     code: ErrorCode | None = None
+    alternatives: list[str] = field(default_factory=list)
 
     def add(self, event: Event) -> None:
         if event.kind == "delta":
@@ -173,6 +180,7 @@ class Completion:
                 event.logits,
             )
             self.token_ids = list(event.token_ids or ())
+            self.alternatives = list(event.alternatives or ())
         else:
             self.error, self.code = event.error, event.code
 

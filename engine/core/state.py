@@ -32,6 +32,8 @@ class RequestState:
     generator: torch.Generator | None = None  # a seeded request's
     forcing: Forcing | None = None  # the healed text its first tokens must write
     beam: BeamRun | None = None  # a beam search in progress
+    # The tokens of other lines a beam search found (Request.n > 1), best first.
+    alternative_tokens: list[list[int]] = field(default_factory=list)
     cancel_reason: str | None = None
     first_logits: torch.Tensor | None = None  # kept where the request asks for them
     started: float = 0.0  # admitted

@@ -14,6 +14,13 @@ A finished hypothesis whose text is blank is the answer only if every finished o
 suggestion that writes nothing is no suggestion. The caller feeds the chosen tokens through its
 usual output path, so stop strings, the healed text and the budget apply exactly as for greedy.
 
+Asked for `alternatives`, the search also keeps the next likeliest finished lines with distinct
+texts, for an editor to cycle through: it goes on until no unfinished hypothesis can still enter
+the best `1 + alternatives`, and it never looks further than `ALTERNATIVE_MARGIN` below the best
+(such lines are not worth showing, and the bound keeps the extra steps few). The answer is the one
+it would be without alternatives: the extra hypotheses all score below the best, so they never
+take a beam's place from one that could beat it.
+
 `BeamTails` holds the K/V of each beam's own tokens beside the prompt's, which all beams share in
 the cache and none writes (Qwen3MoeModel.forward_beams). `BeamRun` is one request's search as the
 engine drives it: a step at a time, each step one forward of the beams' rows.
@@ -31,6 +38,10 @@ import torch.nn.functional as F
 from engine.decoding.sampling import TokenChooser
 from engine.decoding.token_healing import Forcing, forcing_for
 from engine.loading.tokenizer import Tokenizer
+
+# Alternatives are lines at most this much less likely than the best (in log-probability: e^-3,
+# about a twentieth as likely).
+ALTERNATIVE_MARGIN = 3.0
 
 
 @dataclass
@@ -86,10 +97,12 @@ class BeamSearch:
         stop_at_eos: bool = True,
         forced_text: str = "",
         chooser: TokenChooser | None = None,
+        alternatives: int = 0,
     ):
         """`width` is within 1..MAX_BEAMS, as every request is checked on admission
         (engine.core.request.check_request); `chooser` constrains each token as greedy's, by
-        default to what the tokenizer may write."""
+        default to what the tokenizer may write; `alternatives`: how many finished lines besides
+        the answer to keep (`alternatives()`)."""
         self.tokenizer = tokenizer
         self.width = width
         self.max_tokens = max_tokens
@@ -100,6 +113,10 @@ class BeamSearch:
         self.live = [Hypothesis(0.0, [], forcing_for(tokenizer, forced_text))]
         self.best: Hypothesis | None = None  # the best finished one with text
         self.best_blank: Hypothesis | None = None  # the answer only if nothing else finishes
+        self.alternatives_wanted = alternatives
+        # Finished hypotheses with text, the likeliest per distinct text (when alternatives are
+        # wanted).
+        self.finished: dict[str, Hypothesis] = {}
 
     @property
     def done(self) -> bool:
@@ -150,13 +167,38 @@ class BeamSearch:
         best = self.best or (self.live[0] if partial and self.live else None) or self.best_blank
         return list(best.tokens) if best is not None else []
 
+    def alternatives(self) -> list[list[int]]:
+        """The tokens of the next likeliest finished lines after the answer, best first: distinct
+        texts, none blank, none more than ALTERNATIVE_MARGIN below the answer, at most
+        `alternatives` of them (feed each through an output path of its own)."""
+        if self.best is None or not self.alternatives_wanted:
+            return []
+        floor = self.best.score - ALTERNATIVE_MARGIN
+        ranked = sorted(self.finished.values(), key=lambda h: -h.score)
+        found = [h.tokens for h in ranked if h is not self.best and h.score >= floor]
+        return [list(tokens) for tokens in found[: self.alternatives_wanted]]
+
     def _may_win(self, score: float) -> bool:
-        return self.best is None or score > self.best.score
+        """Whether a hypothesis of this score may still matter: beat the best finished one or,
+        with alternatives wanted, enter the best `1 + alternatives` within the margin."""
+        if self.best is None:
+            return True
+        if not self.alternatives_wanted:
+            return score > self.best.score
+        floor = self.best.score - ALTERNATIVE_MARGIN
+        scores = sorted((h.score for h in self.finished.values()), reverse=True)
+        if len(scores) > self.alternatives_wanted:
+            floor = max(floor, scores[self.alternatives_wanted])
+        return score > floor
 
     def _finished(self, hyp: Hypothesis, text: str | None = None) -> None:
         if text is None:
             text, _ = self._text(hyp)
         if text.strip():
+            if self.alternatives_wanted:
+                known = self.finished.get(text)
+                if known is None or hyp.score > known.score:
+                    self.finished[text] = hyp
             if self.best is None or hyp.score > self.best.score:
                 self.best = hyp
         elif self.best_blank is None or hyp.score > self.best_blank.score:
@@ -200,3 +242,6 @@ class BeamRun:
 
     def answer(self, partial: bool = False) -> list[int]:
         return self.search.answer(partial)
+
+    def alternatives(self) -> list[list[int]]:
+        return self.search.alternatives()

@@ -16,6 +16,11 @@ The hello's result is the engine's health, its model ("model") and "features": a
 optional request parameters this engine takes (`FEATURES`). A client sends such a parameter only
 where the engine lists its feature: an engine started by an older release (daemons stay
 resident) lists none, and refuses a parameter it does not know.
+
+`complete` with "n" > 1 asks for several completions: the streamed text is the best, and the
+final result's "alternatives" lists up to n - 1 others (strings, best first, distinct from the
+streamed text and from each other, none blank). Only a beam search finds them (a single line, on
+the lean CPU path); elsewhere the list is empty and the one streamed completion is the answer.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ PROTOCOL_VERSION = 1
 # A beam search's rows go through one lean forward (engine.model.qwen3_moe.LEAN_MAX_ROWS).
 MAX_BEAMS = 8
 FEATURE_BEAMS = "beams"  # `complete` takes "beams" (beam search)
-FEATURES = (FEATURE_BEAMS,)  # what the hello's "features" lists
+FEATURE_N = "n"  # `complete` takes "n" and its result may list "alternatives"
+FEATURES = (FEATURE_BEAMS, FEATURE_N)  # what the hello's "features" lists
+MAX_COMPLETIONS = 8  # the most "n" may ask for
 MAX_FRAME_BYTES = 8 << 20  # a 5 MB file plus context fits; anything larger is refused
 # Frames before a connection's hello: a hello is small, and until it is checked (a TCP peer's
 # token) the peer may be anyone, who must not make the engine hold megabytes per connection.
@@ -136,6 +143,8 @@ class CompletionParams:
     fim_order: str = "auto"
     # > 1: beam search for a greedy completion (a single line), engine.decoding.beam_search.
     beams: int = 1
+    # > 1: that many completions at most, the others as the result's "alternatives" (beams only).
+    n: int = 1
 
     @classmethod
     def from_params(cls, params) -> CompletionParams:
@@ -203,6 +212,8 @@ class CompletionParams:
             or not 1 <= p.beams <= MAX_BEAMS
         ):
             raise ValueError(f"'beams' must be an integer in [1, {MAX_BEAMS}]")
+        if not isinstance(p.n, int) or isinstance(p.n, bool) or not 1 <= p.n <= MAX_COMPLETIONS:
+            raise ValueError(f"'n' must be an integer in [1, {MAX_COMPLETIONS}]")
         if p.fim_order not in ("auto", "psm", "spm"):
             raise ValueError("'fim_order' must be auto, psm or spm")
         p.stop, p.chunks = tuple(p.stop), tuple(p.chunks)

@@ -410,6 +410,8 @@ class EngineServer:
                     conn.send({"id": rid, "delta": event.text})
                 elif event.kind == "done":
                     result = {"finish_reason": event.finish_reason, "usage": event.usage}
+                    if event.alternatives:
+                        result["alternatives"] = event.alternatives
                     conn.send({"id": rid, "result": result})
                     return
                 else:

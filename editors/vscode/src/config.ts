@@ -1,5 +1,8 @@
 // Maps the extension's `wdLsp.*` settings to the server's configuration object.
 // Kept free of the `vscode` module so that it can be unit-tested under plain Node.
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
 
 /**
  * The server's configuration, sent as `initializationOptions` and in didChangeConfiguration.
@@ -10,12 +13,14 @@ export interface ServerSettings {
   enabled: boolean;
   model?: string;
   engine?: { socket?: string; tcp?: string; token?: string };
+  debounce: 'adaptive' | 'fixed';
   debounceMs: number;
   maxTokens: number;
   multiline: 'auto' | 'single' | 'multi';
   enabledLanguages: string[];
   temperature: number;
   beams: number;
+  suggestions: number;
   backend?: 'engine' | 'openai';
   openai?: { baseUrl?: string; apiKey?: string; model?: string; fim?: 'template' | 'suffix' };
 }
@@ -61,6 +66,7 @@ export function serverSettings(get: Getter): ServerSettings {
     enabled: get('enabled') !== false,
     ...(model !== null ? { model } : {}),
     ...(Object.keys(engine).length > 0 ? { engine } : {}),
+    debounce: get('debounce') === 'fixed' ? 'fixed' : 'adaptive',
     debounceMs: Math.round(num(get('debounceMs'), 60, 0)),
     maxTokens: Math.round(num(get('maxTokens'), 64, 1)),
     multiline: multiline === 'single' || multiline === 'multi' ? multiline : 'auto',
@@ -70,6 +76,7 @@ export function serverSettings(get: Getter): ServerSettings {
         : ['*'],
     temperature: num(get('temperature'), 0, 0),
     beams: Math.min(8, Math.round(num(get('beams'), 2, 1))),
+    suggestions: Math.min(8, Math.round(num(get('suggestions'), 3, 1))),
     ...(backend !== null ? { backend } : {}),
     ...(Object.keys(openai).length > 0 ? { openai } : {}),
   };
@@ -79,13 +86,55 @@ export function launchSettings(get: Getter): LaunchSettings {
   const args = get('server.args');
   const env = get('server.env');
   return {
-    command: optString(get('server.path')) ?? 'wd-lsp',
+    command: expandHome(optString(get('server.path')) ?? 'wd-lsp'),
     args: Array.isArray(args) ? args.map(String) : [],
     env:
       env && typeof env === 'object'
         ? Object.fromEntries(Object.entries(env as Record<string, unknown>).map(([k, v]) => [k, String(v)]))
         : {},
   };
+}
+
+// A shell would expand `~/`; spawning the command directly does not.
+function expandHome(command: string): string {
+  return command === '~' || command.startsWith('~/') ? path.join(os.homedir(), command.slice(1)) : command;
+}
+
+function runnable(file: string, windows: boolean): boolean {
+  try {
+    if (!fs.statSync(file).isFile()) return false;
+    if (!windows) fs.accessSync(file, fs.constants.X_OK);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/**
+ * Whether the server command can be started: a bare name is looked up on the PATH of `env` (as
+ * spawning it will), an absolute path checked as it is. Null when it can't; a relative path with a
+ * directory in it resolves against a working directory not known here, and is left to the spawn.
+ */
+export function findExecutable(
+  command: string,
+  env: Record<string, string | undefined>,
+  platform: string = process.platform,
+): string | null {
+  const windows = platform === 'win32';
+  const p = windows ? path.win32 : path.posix;
+  const key = (name: string) => Object.keys(env).find((k) => (windows ? k.toUpperCase() === name : k === name));
+  const extensions = windows
+    ? ['', ...(env[key('PATHEXT') ?? ''] ?? '.COM;.EXE;.BAT;.CMD').split(';').filter(Boolean)]
+    : [''];
+  const variants = (file: string) => (windows && p.extname(file) === '' ? extensions : ['']).map((e) => file + e);
+  if (p.isAbsolute(command)) return variants(command).find((f) => runnable(f, windows)) ?? null;
+  if (command.includes('/') || (windows && command.includes('\\'))) return command;
+  const dirs = (env[key('PATH') ?? ''] ?? '').split(p.delimiter).filter(Boolean);
+  for (const dir of dirs) {
+    const found = variants(p.join(dir, command)).find((f) => runnable(f, windows));
+    if (found) return found;
+  }
+  return null;
 }
 
 /** The didChangeConfiguration payload the server expects. */

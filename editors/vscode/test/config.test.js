@@ -1,19 +1,24 @@
 // Unit tests for the settings -> server configuration mapping (compiled by `npm test`).
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { serverSettings, launchSettings, configurationPayload, needsRestart } = require('../out/config.js');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const { serverSettings, launchSettings, configurationPayload, needsRestart, findExecutable } = require('../out/config.js');
 
 const from = (values) => (key) => values[key];
 
 test('defaults match the server defaults', () => {
   assert.deepEqual(serverSettings(from({})), {
     enabled: true,
+    debounce: 'adaptive',
     debounceMs: 60,
     maxTokens: 64,
     multiline: 'auto',
     enabledLanguages: ['*'],
     temperature: 0,
     beams: 2,
+    suggestions: 3,
   });
 });
 
@@ -31,6 +36,8 @@ test('settings map to server keys, empty strings mean unset', () => {
       enabledLanguages: ['python', 'lua'],
       temperature: 0.2,
       beams: 12,
+      debounce: 'fixed',
+      suggestions: 0,
     }),
   );
   assert.equal(s.enabled, false);
@@ -42,11 +49,15 @@ test('settings map to server keys, empty strings mean unset', () => {
   assert.deepEqual(s.enabledLanguages, ['python', 'lua']);
   assert.equal(s.temperature, 0.2);
   assert.equal(s.beams, 8);
+  assert.equal(s.debounce, 'fixed');
+  assert.equal(s.suggestions, 1);
 });
 
 test('bad values fall back to defaults', () => {
-  const s = serverSettings(from({ multiline: 'sometimes', enabledLanguages: [], debounceMs: 'x' }));
+  const s = serverSettings(from({ multiline: 'sometimes', enabledLanguages: [], debounceMs: 'x', debounce: 'slow', suggestions: 99 }));
   assert.equal(s.multiline, 'auto');
+  assert.equal(s.debounce, 'adaptive');
+  assert.equal(s.suggestions, 8);
   assert.deepEqual(s.enabledLanguages, ['*']);
   assert.equal(s.debounceMs, 60);
 });
@@ -62,6 +73,31 @@ test('launch settings default to wd-lsp on PATH', () => {
     launchSettings(from({ 'server.path': '/opt/bin/wd-lsp', 'server.args': ['--log', 'x'], 'server.env': { WD_LSP_MODEL: '/m' } })),
     { command: '/opt/bin/wd-lsp', args: ['--log', 'x'], env: { WD_LSP_MODEL: '/m' } },
   );
+  assert.equal(launchSettings(from({ 'server.path': '~/venv/bin/wd-lsp' })).command, path.join(os.homedir(), 'venv/bin/wd-lsp'));
+});
+
+test('the server command is looked up on PATH like spawning it will', () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'wd-lsp-path-'));
+  const bin = path.join(dir, 'bin');
+  fs.mkdirSync(bin);
+  const exe = path.join(bin, `wd-lsp-${process.pid}`);
+  fs.writeFileSync(exe, '#!/bin/sh\n', { mode: 0o755 });
+  const plain = path.join(bin, 'not-executable');
+  fs.writeFileSync(plain, '', { mode: 0o644 });
+  try {
+    const name = path.basename(exe);
+    assert.equal(findExecutable(name, { PATH: `/nonexistent${path.delimiter}${bin}` }, 'linux'), exe);
+    assert.equal(findExecutable(name, { PATH: '/nonexistent' }, 'linux'), null);
+    assert.equal(findExecutable(name, {}, 'linux'), null);
+    assert.equal(findExecutable(exe, { PATH: '' }, 'linux'), exe);
+    assert.equal(findExecutable(path.join(bin, 'missing'), { PATH: bin }, 'linux'), null);
+    assert.equal(findExecutable('not-executable', { PATH: bin }, 'linux'), null);
+    assert.equal(findExecutable(bin, { PATH: '' }, 'linux'), null, 'a folder is not a command');
+    // A relative path resolves against a working folder not known here: left to the spawn.
+    assert.equal(findExecutable('./venv/bin/wd-lsp', { PATH: '' }, 'linux'), './venv/bin/wd-lsp');
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
 });
 
 test('unset keys are left out, and removing one asks for a restart', () => {
