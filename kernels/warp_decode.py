@@ -201,12 +201,16 @@ def _fp8_col_scales(s_ptrs, i0, offs_i, inter, SCALE_COLS: tl.constexpr):
 def _down_tile(w, s_ptrs, mask_kh, FORMAT: tl.constexpr, BLOCK_I: tl.constexpr):
     """A loaded down tile [K, BLOCK_H, stored items] -> fp32 [K, BLOCK_H, BLOCK_I]; FP8's
     scales are folded into the activations instead (one per slot and tile)."""
+    # One return: compiled Triton needs every return of a function to have one type, even in
+    # branches a constexpr rules out.
     if FORMAT == 2:
         scales = tl.load(s_ptrs, mask=mask_kh, other=0.0).to(tl.float32)
-        return int4_values(w, BLOCK_I) * scales[:, :, None]
-    if FORMAT == 1:
-        return fp8_values(w)
-    return w.to(tl.float32)
+        values = int4_values(w, BLOCK_I) * scales[:, :, None]
+    elif FORMAT == 1:
+        values = fp8_values(w)
+    else:
+        values = w.to(tl.float32)
+    return values
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
