@@ -22,6 +22,47 @@ def int4_values(words, COLS: tl.constexpr):
 
 
 @triton.jit
+def fp8_column_scales(s_ptr, c0, n_cols, COLS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """[COLS] FP8 scales of columns c0 .. c0 + COLS - 1 in the block row at s_ptr: one load when
+    the step lies within a block, a load per block broadcast over its columns when it spans
+    whole blocks, else a load per column."""
+    if SCALE_COLS % COLS == 0:
+        scales = tl.full([COLS], 1.0, tl.float32) * tl.load(s_ptr + c0 // SCALE_COLS)
+    elif COLS % SCALE_COLS == 0 and (SCALE_COLS & (SCALE_COLS - 1)) == 0:
+        blocks = tl.minimum(
+            c0 // SCALE_COLS + tl.arange(0, COLS // SCALE_COLS), (n_cols - 1) // SCALE_COLS
+        )
+        per_block = tl.broadcast_to(
+            tl.load(s_ptr + blocks)[:, None], [COLS // SCALE_COLS, SCALE_COLS]
+        )
+        scales = tl.reshape(per_block, [COLS])
+    else:
+        scales = tl.load(s_ptr + tl.minimum(c0 + tl.arange(0, COLS), n_cols - 1) // SCALE_COLS)
+    return scales
+
+
+@triton.jit
+def fp8_slot_column_scales(
+    s_ptrs, c0, n_cols, K: tl.constexpr, COLS: tl.constexpr, SCALE_COLS: tl.constexpr
+):
+    """[K, COLS]: `fp8_column_scales` for each of K block rows (s_ptrs [K])."""
+    if SCALE_COLS % COLS == 0:
+        scales = tl.load(s_ptrs + c0 // SCALE_COLS)[:, None] + tl.zeros([1, COLS], tl.float32)
+    elif COLS % SCALE_COLS == 0 and (SCALE_COLS & (SCALE_COLS - 1)) == 0:
+        blocks = tl.minimum(
+            c0 // SCALE_COLS + tl.arange(0, COLS // SCALE_COLS), (n_cols - 1) // SCALE_COLS
+        )
+        per_block = tl.load(s_ptrs[:, None] + blocks[None, :])
+        scales = tl.reshape(
+            tl.broadcast_to(per_block[:, :, None], [K, COLS // SCALE_COLS, SCALE_COLS]), [K, COLS]
+        )
+    else:
+        cols = tl.minimum(c0 + tl.arange(0, COLS), n_cols - 1) // SCALE_COLS
+        scales = tl.load(s_ptrs[:, None] + cols[None, :])
+    return scales
+
+
+@triton.jit
 def fp8_values(stored):
     """FP8 e4m3 bytes (stored as uint8, so masked loads can fill zeros) -> fp32 values."""
     return stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)

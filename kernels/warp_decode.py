@@ -33,7 +33,12 @@ import triton.language as tl
 from kernels import tuned
 from kernels.moe_inputs import moe_inputs
 from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
-from kernels.quant_tiles import fp8_values, int4_values
+from kernels.quant_tiles import (
+    fp8_column_scales,
+    fp8_slot_column_scales,
+    fp8_values,
+    int4_values,
+)
 from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
@@ -158,10 +163,9 @@ def _gate_up_silu_kernel(
             acc_gate += gate.to(tl.float32) * xv[None, :]
             acc_up += up.to(tl.float32) * xv[None, :]
         elif FORMAT == 1:
-            # Per column: a tile may span several blocks' columns (not rows).
-            col_blocks = tl.minimum(h0 + offs_h, hidden - 1) // SCALE_COLS
-            gate_x = xv * tl.load(gate_s_ptr + col_blocks)
-            up_x = xv * tl.load(up_s_ptr + col_blocks)
+            # A tile may span several blocks' columns (not rows): a scale per column of x.
+            gate_x = xv * fp8_column_scales(gate_s_ptr, h0, hidden, BLOCK_H, SCALE_COLS)
+            up_x = xv * fp8_column_scales(up_s_ptr, h0, hidden, BLOCK_H, SCALE_COLS)
             acc_gate += fp8_values(gate) * gate_x[None, :]
             acc_up += fp8_values(up) * up_x[None, :]
         else:
@@ -188,13 +192,6 @@ def _gate_up_silu_kernel(
         _prefetch_l2(
             wdown_ptr + expert * stride_wde + lines.to(tl.int64) * LINE_ELEMS, EVICT_LAST=True
         )
-
-
-@triton.jit
-def _fp8_col_scales(s_ptrs, i0, offs_i, inter, SCALE_COLS: tl.constexpr):
-    """[K, BLOCK_I] FP8 scales of each slot's columns i0 + offs_i (the row block is in s_ptrs)."""
-    cols = tl.minimum(i0 + offs_i, inter - 1) // SCALE_COLS
-    return tl.load(s_ptrs[:, None] + cols[None, :])
 
 
 @triton.jit
@@ -293,7 +290,7 @@ def _down_kernel(
     if PRELOAD:
         a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
         if FORMAT == 1:
-            a0 = a0 * _fp8_col_scales(s_ptrs, 0, offs_i, inter, SCALE_COLS)
+            a0 = a0 * fp8_slot_column_scales(s_ptrs, 0, inter, K_PAD, BLOCK_I, SCALE_COLS)
         acc += _down_tile(w0, s_ptrs, mask_kh, FORMAT, BLOCK_I) * a0[:, None, :]
         a_ptrs += BLOCK_I
         w_ptrs += BLOCK_I // PER_ITEM
@@ -311,7 +308,7 @@ def _down_kernel(
         # The routing weight (and FP8's scale) is folded in fp32, before anything is rounded.
         a = a * route_w[:, None]
         if FORMAT == 1:
-            a = a * _fp8_col_scales(s_ptrs, i0, offs_i, inter, SCALE_COLS)
+            a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, BLOCK_I, SCALE_COLS)
         acc += _down_tile(w, s_ptrs + i0 // SCALE_COLS, mask_kh, FORMAT, BLOCK_I) * a[:, None, :]
         a_ptrs += BLOCK_I
         w_ptrs += BLOCK_I // PER_ITEM

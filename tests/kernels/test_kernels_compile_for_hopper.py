@@ -67,44 +67,46 @@ def test_every_kernel_compiles_for_hopper():
 
 def warp_decode_compiles(fmt):
     w, s = STORED[fmt]
-    gate_up = compile_for_hopper(
-        warp_decode._gate_up_silu_kernel,
-        dict(x_ptr="bf16", w_ptr=w, s_ptr=s, ids_ptr="i64", out_ptr="bf16", wdown_ptr=w),
-        dict(
-            BLOCK_I=8,
-            BLOCK_H=128,
-            EVEN_I=True,
-            EVEN_H=True,
-            FORMAT=fmt,
-            LAUNCH_DEPS=True,
-            DOWN_LINES=0,
-            LINE_ELEMS=64,
-            EVICT="",
-            **FORMAT_CONSTS[fmt],
-        ),
-        num_warps=4,
-    )
-    down = compile_for_hopper(
-        warp_decode._down_kernel,
-        dict(act_ptr="bf16", w_ptr=w, s_ptr=s, ids_ptr="i64", weights_ptr="fp32", y_ptr="bf16"),
-        dict(
-            K_PAD=8,
-            BLOCK_H=4,
-            BLOCK_I=128,
-            EVEN_K=True,
-            EVEN_H=True,
-            EVEN_I=True,
-            FORMAT=fmt,
-            PDL=True,
-            PREFETCH_LINES=0,
-            LINE_ELEMS=64,
-            PRELOAD=True,
-            **FORMAT_CONSTS[fmt],
-        ),
-        num_warps=4,
-        launch_pdl=True,
-    )
-    assert "griddepcontrol" in down and gate_up
+    # Tiles within one FP8 block's columns, and tiles spanning several.
+    for block_h, block_i in ((128, 128), (512, 256)) if fmt == FP8_BLOCKS else ((128, 128),):
+        gate_up = compile_for_hopper(
+            warp_decode._gate_up_silu_kernel,
+            dict(x_ptr="bf16", w_ptr=w, s_ptr=s, ids_ptr="i64", out_ptr="bf16", wdown_ptr=w),
+            dict(
+                BLOCK_I=8,
+                BLOCK_H=block_h,
+                EVEN_I=True,
+                EVEN_H=True,
+                FORMAT=fmt,
+                LAUNCH_DEPS=True,
+                DOWN_LINES=0,
+                LINE_ELEMS=64,
+                EVICT="",
+                **FORMAT_CONSTS[fmt],
+            ),
+            num_warps=4,
+        )
+        down = compile_for_hopper(
+            warp_decode._down_kernel,
+            dict(act_ptr="bf16", w_ptr=w, s_ptr=s, ids_ptr="i64", weights_ptr="fp32", y_ptr="bf16"),
+            dict(
+                K_PAD=8,
+                BLOCK_H=4,
+                BLOCK_I=block_i,
+                EVEN_K=True,
+                EVEN_H=True,
+                EVEN_I=True,
+                FORMAT=fmt,
+                PDL=True,
+                PREFETCH_LINES=0,
+                LINE_ELEMS=64,
+                PRELOAD=True,
+                **FORMAT_CONSTS[fmt],
+            ),
+            num_warps=4,
+            launch_pdl=True,
+        )
+        assert "griddepcontrol" in down and gate_up
 
 
 def expert_centric_compiles(fmt):
