@@ -91,3 +91,15 @@ def editor_env():
     yield env
     _stop_engine(engine_dir / "engine.sock")
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def own_engine_env(editor_env):
+    """`editor_env` with an engine folder of its own: the server starts a new engine, as on a
+    user's first completion; it is shut down at the end."""
+    root = Path(tempfile.mkdtemp(prefix="wdlsp-oe-"))  # short, as above
+    engine_dir = root / "engine"
+    engine_dir.mkdir(mode=0o700)
+    yield dict(editor_env, WD_ENGINE_DIR=str(engine_dir))
+    _stop_engine(engine_dir / "engine.sock")
+    shutil.rmtree(root, ignore_errors=True)

@@ -15,22 +15,28 @@ M.defaults = {
   -- under "wdLsp". Keys left nil take the server's defaults: enabled, model, engine
   -- ({socket, tcp, token}), debounceMs, maxTokens, multiline, enabledLanguages, temperature, beams.
   settings = {},
-  -- 'auto': Neovim's built-in vim.lsp.inline_completion on 0.12+, else extmark ghost text drawn by
-  -- this plugin. 'native' or 'extmark' force one.
+  -- 'auto' (the same as 'extmark'): ghost text drawn by this plugin, on every Neovim version.
+  -- 'native': Neovim 0.12's built-in vim.lsp.inline_completion draws it (see editors/README.md
+  -- for what it does differently).
   ghost_text = 'auto',
   -- Extmark path only: wait this long after a keystroke before asking the server.
   debounce_ms = 30,
   -- Extmark path only: highlight group of the ghost text.
   hl_group = 'WdLspGhostText',
-  -- Insert-mode mappings; set any to false to leave the key alone. <Tab> falls back to a normal
-  -- <Tab> when no suggestion is shown.
+  -- Insert-mode mappings; set any to false to leave the key alone. The accept keys fall back to
+  -- what the key does without the plugin when no suggestion is shown.
   keymaps = {
     accept = '<Tab>',
+    accept_word = '<M-Right>',
     accept_line = '<M-l>',
     next = '<M-]>',
     prev = '<M-[>',
     dismiss = '<C-]>',
+    trigger = '<M-\\>',
   },
+  -- A notification when the engine starts loading the model (the first completion waits for
+  -- it) and when it is ready; the status line shows the progress either way.
+  notify_progress = true,
   -- How many server log messages (window/logMessage) :WdLsp log keeps.
   log_lines = 1000,
 }

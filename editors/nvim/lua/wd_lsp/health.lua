@@ -17,11 +17,13 @@ function M.check()
   end
   local backend = wd.backend_name()
   if backend == 'native' then
-    health.ok('ghost text: built-in vim.lsp.inline_completion')
+    health.ok('ghost text: built-in vim.lsp.inline_completion (ghost_text = "native")')
+  elseif config.options.ghost_text == 'native' then
+    health.warn('ghost text: drawn by wd-lsp with extmarks', {
+      'ghost_text = "native" needs vim.lsp.inline_completion (Neovim 0.12+)',
+    })
   else
-    local why = config.options.ghost_text == 'extmark' and '(ghost_text = "extmark")'
-      or '(no vim.lsp.inline_completion before Neovim 0.12)'
-    health.ok('ghost text: drawn by wd-lsp with extmarks ' .. why)
+    health.ok('ghost text: drawn by wd-lsp with extmarks')
   end
 
   health.start('wd-lsp: server')
@@ -32,8 +34,9 @@ function M.check()
     health.ok(('server command: %s (%s)'):format(table.concat(cmd, ' '), vim.fn.exepath(cmd[1])))
   else
     health.error(('`%s` is not executable or not on PATH'):format(cmd[1]), {
-      'Install the server: pip install wd-lsp (in a virtual environment: use its bin/wd-lsp path)',
-      "Or point the plugin at it: require('wd_lsp').setup{ cmd = { '/path/to/wd-lsp' } }",
+      'Install the server from a checkout of wd-lsp: pip install -e /path/to/wd-lsp',
+      "Or give its full path (e.g. in a virtual environment):"
+        .. " require('wd_lsp').setup{ cmd = { '/path/to/venv/bin/wd-lsp' } }",
     })
   end
 
@@ -52,6 +55,9 @@ function M.check()
 
   local s = status.state
   local line = ('engine: %s%s'):format(s.state, s.message ~= '' and (' — ' .. s.message) or '')
+  if s.progress then
+    line = line .. ' (' .. s.progress .. ')'
+  end
   if s.state == 'ready' or s.state == 'starting' or s.state == 'loading' then
     health.ok(line)
   elseif s.state == 'disabled' then
@@ -59,7 +65,7 @@ function M.check()
   else
     health.error(line, { ':WdLsp log for the server messages', ':WdLsp restart to restart the engine' })
   end
-  if s.lastLatencyMs then
+  if s.lastLatencyMs and not s.message:find('last completion', 1, true) then
     health.info(('last completion: %d ms'):format(math.floor(s.lastLatencyMs + 0.5)))
   end
 end

@@ -9,13 +9,15 @@ local M = {}
 
 local NAME = 'wd_lsp'
 
--- The ghost text backend: 'native' (vim.lsp.inline_completion) or 'extmark' (wd_lsp.ghost).
+-- The ghost text backend: 'extmark' (wd_lsp.ghost) unless 'native' (vim.lsp.inline_completion)
+-- is asked for and this Neovim has it. The plugin draws its own by default on 0.12 too: the
+-- built-in keeps showing, and accepts, a suggestion the line no longer fits until the next
+-- answer comes (native.lua has the details), and has no partial accept of its own.
 function M.backend_name()
-  local mode = config.options.ghost_text
-  if mode == 'native' or mode == 'extmark' then
-    return mode
+  if config.options.ghost_text == 'native' and require('wd_lsp.native').available() then
+    return 'native'
   end
-  return require('wd_lsp.native').available() and 'native' or 'extmark'
+  return 'extmark'
 end
 
 function M.backend()
@@ -75,6 +77,16 @@ local function on_attach(args)
     return
   end
   M.backend().attach(args.buf, client.id)
+end
+
+-- Engine start-up progress ($/progress, which Neovim also keeps for vim.lsp.status()).
+local function on_progress(args)
+  local data = args.data or {}
+  local client = data.client_id and vim.lsp.get_client_by_id(data.client_id)
+  if not client or client.name ~= NAME or type(data.params) ~= 'table' then
+    return
+  end
+  status.progress(data.params.value, config.options.notify_progress)
 end
 
 -- Sends the current settings to the running server.
@@ -138,9 +150,14 @@ function M.restart_engine()
   end)
 end
 
-function M.show_status()
+-- `verbose`: the whole map the server answers, as it is.
+function M.show_status(verbose)
   execute('wdLsp.status', function(result)
-    vim.notify('wd-lsp status\n' .. vim.inspect(result))
+    if verbose or type(result) ~= 'table' then
+      vim.notify('wd-lsp status\n' .. vim.inspect(result))
+    else
+      vim.notify(status.describe(result))
+    end
   end)
 end
 
@@ -171,8 +188,22 @@ function M.accept()
   return M.backend().accept()
 end
 
+function M.accept_word()
+  return M.backend().accept_word()
+end
+
 function M.accept_line()
   return M.backend().accept_line()
+end
+
+-- Asks for a suggestion now (triggerKind Invoked), e.g. after dismissing one.
+function M.trigger()
+  return M.backend().trigger()
+end
+
+-- { items = { text still to insert, ... }, index = the shown one } (the plugin's ghost text).
+function M.suggestions()
+  return M.backend().suggestions()
 end
 
 function M.next()
@@ -199,8 +230,9 @@ local function set_keymaps()
     end
     vim.keymap.set('i', lhs, function()
       if not M.visible() then
-        -- No suggestion: the key does what it would do without the plugin.
-        return api.nvim_replace_termcodes(lhs, true, false, true)
+        -- No suggestion: the key does what it would do without the plugin (keymap.set replaces
+        -- the key codes of what an expr mapping returns; replacing them here too breaks <M-…>).
+        return lhs
       end
       -- Buffer edits are not allowed while an <expr> mapping is evaluated.
       vim.schedule(fn)
@@ -208,10 +240,17 @@ local function set_keymaps()
     end, { expr = true, silent = true, desc = 'wd-lsp: ' .. desc })
   end
   map(keys.accept, M.accept, 'accept the suggestion')
+  map(keys.accept_word, M.accept_word, 'accept a word of the suggestion')
   map(keys.accept_line, M.accept_line, 'accept a line of the suggestion')
   map(keys.next, M.next, 'next suggestion')
   map(keys.prev, M.prev, 'previous suggestion')
   map(keys.dismiss, M.dismiss, 'dismiss the suggestion')
+  if keys.trigger then
+    -- Acts with or without a suggestion shown.
+    vim.keymap.set('i', keys.trigger, function()
+      M.trigger()
+    end, { silent = true, desc = 'wd-lsp: ask for a suggestion now' })
+  end
 end
 
 local SUBCOMMANDS = {
@@ -234,9 +273,10 @@ local function create_command()
       vim.notify('wd-lsp: unknown subcommand ' .. cmd.args, vim.log.levels.ERROR)
       return
     end
-    fn()
+    fn(cmd.bang)
   end, {
     nargs = '?',
+    bang = true,
     complete = function()
       return vim.tbl_keys(SUBCOMMANDS)
     end,
@@ -251,6 +291,7 @@ function M.setup(opts)
   end
   config.set(opts)
   api.nvim_set_hl(0, 'WdLspGhostText', { link = 'Comment', default = true })
+  api.nvim_set_hl(0, 'WdLspGhostTextCount', { link = 'WdLspGhostText', default = true })
   local group = api.nvim_create_augroup('wd_lsp', { clear = true })
   api.nvim_create_autocmd('FileType', {
     group = group,
@@ -259,6 +300,10 @@ function M.setup(opts)
     end,
   })
   api.nvim_create_autocmd('LspAttach', { group = group, callback = on_attach })
+  api.nvim_create_autocmd('LspProgress', { group = group, callback = on_progress })
+  status.on_ready = function()
+    M.backend().refresh()
+  end
   set_keymaps()
   create_command()
   -- Buffers opened before setup() ran.
