@@ -30,6 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         model_dir = _model_dir(args.model)
         t0 = time.perf_counter()
+        args.device = resolve_device(args.device)
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
         log = logging.getLogger("wd_engine")  # generate sets no handler: warnings go to stderr
         memory.check_before_load(
@@ -123,6 +124,19 @@ def _stats_line(load_s: float, done) -> str:
         f"prefill {usage['prefill_ms']:.1f} ms, first token {first_ms:.1f} ms | "
         f"{done.completion_tokens} tok, decode {rate:.1f} tok/s | finish: {done.finish_reason}]"
     )
+
+
+DEVICE_HELP = "cpu, cuda or cuda:N; auto (the default): the GPU where torch sees one, else the CPU"
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: CUDA where torch has a GPU, else the CPU (the daemon an editor starts then uses
+    the user's GPU without a setting); anything else as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kv_pool_bytes(requested_mb: int | None, model, budget=None, kv_fp8: bool = False) -> int:
@@ -274,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = f"random {args.random_shape}" if args.random_shape else display_name(model_dir)
     try:
         t0 = time.perf_counter()
+        args.device = resolve_device(args.device)
         options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
         # Before the weights load: a model that cannot fit is a quick, clear error.
         budget = memory.check_before_load(
@@ -573,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="beam search over this many hypotheses (greedy, CPU; meant for a single line)",
     )
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--device", default="auto", help=DEVICE_HELP)
     gen.add_argument("--gpu-memory-gb", type=float, help=GPU_MEMORY_HELP)
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
     gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
@@ -647,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto"
     )
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--gpu-memory-gb", type=float, help=GPU_MEMORY_HELP)
     serve.add_argument(
         "--moe-path",
