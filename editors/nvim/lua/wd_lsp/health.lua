@@ -60,6 +60,9 @@ function M.check()
   end
   if s.state == 'ready' or s.state == 'starting' or s.state == 'loading' then
     health.ok(line)
+  elseif s.state == 'idle' then
+    -- Not connected yet: the engine starts (or is found running) on the first completion.
+    health.ok(line .. ' (the engine starts on the first completion)')
   elseif s.state == 'disabled' then
     health.warn(line, { ':WdLsp enable' })
   else
