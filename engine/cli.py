@@ -433,7 +433,6 @@ def _pull(args: argparse.Namespace) -> int:
     """`wd-engine pull`: engine.hub.pull, its refusals as exit 1; an interrupt exits at once."""
     import signal
 
-    from engine.hub.cache import client_temp_files
     from engine.hub.names import parse_repo_ref
     from engine.hub.pull import PullError, pull
     from engine.hub.sizes import size_text
@@ -444,14 +443,11 @@ def _pull(args: argparse.Namespace) -> int:
         print(f"wd-engine pull: {exc}", file=sys.stderr)
         return 2
 
-    temp_before = client_temp_files(ref.repo_id)
-
     def interrupted(signum, frame) -> None:
         # The download's threads would finish their files before an exception got through:
-        # leave now. The weights' partial files stay for the next pull to continue; the hub
-        # client's own temporary files are of no use to another process.
-        for path in client_temp_files(ref.repo_id) - temp_before:
-            path.unlink(missing_ok=True)
+        # leave now. The weights' partial files stay for the next pull to continue. The hub
+        # client's temporary files are left alone: one may be another process's download of
+        # the same repo (`hf cache` prunes them).
         sys.stderr.write(
             f"\nwd-engine pull: interrupted; run `wd-engine pull {ref}` again to resume\n"
         )

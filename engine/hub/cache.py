@@ -107,10 +107,3 @@ def cached_models(cache: str | Path | None = None) -> list[CachedModel]:
                 CachedModel(ref, rev.commit_hash, rev.snapshot_path, partial.get(repo.repo_id, 0))
             )
     return sorted(found, key=lambda m: (m.ref.repo_id.lower(), str(m.ref)))
-
-
-def client_temp_files(repo_id: str, cache: str | Path | None = None) -> set[Path]:
-    """The hub client's own temporary downloads in a repo's blob store (`<etag>.<8 hex>.incomplete`,
-    one per download of a process: of no use once that process has gone)."""
-    blobs = repo_folder(repo_id, cache) / "blobs"
-    return {p for p in blobs.glob("*.*.incomplete") if len(p.name.split(".")) == 3}

@@ -24,7 +24,14 @@ def parse_repo_ref(text: str) -> RepoRef:
     """`Org/Name[@REVISION]` as a RepoRef; ValueError, saying what is expected, for anything
     else."""
     repo_id, at, revision = str(text).partition("@")
-    if not is_repo_id(repo_id) or (at and not revision.strip()):
+    # A revision names a file under the cache's refs/: no way out of it.
+    bad_revision = at and (
+        not revision.strip()
+        or revision.startswith("/")
+        or ".." in revision.split("/")
+        or "\\" in revision
+    )
+    if not is_repo_id(repo_id) or bad_revision:
         raise ValueError(
             f"{text!r} is not a Hugging Face repo id: expected ORG/NAME or ORG/NAME@REVISION"
         )

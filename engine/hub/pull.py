@@ -91,16 +91,15 @@ def pull(
         return _download(ref, revision, listing, include_format, cache_path, say)
     except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as exc:
         if isinstance(exc, httpx2.ProxyError):
-            message = f"the proxy refused the connection to {constants.ENDPOINT}: {exc}"
+            message = f"the proxy refused the connection to {_endpoint()}: {exc}"
             raise PullError(message) from exc
-        return _from_cache(ref, cache_path, f"{constants.ENDPOINT} cannot be reached ({exc})", say)
+        return _from_cache(ref, cache_path, f"{_endpoint()} cannot be reached ({exc})", say)
     except HfHubHTTPError as exc:
         raise PullError(_hub_error_text(ref, exc)) from exc
 
 
 def _hub_error_text(ref: RepoRef, exc: Exception) -> str:
     """The hub's refusal in words, with the usual fix."""
-    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         RemoteEntryNotFoundError,
@@ -108,7 +107,7 @@ def _hub_error_text(ref: RepoRef, exc: Exception) -> str:
         RevisionNotFoundError,
     )
 
-    where = constants.ENDPOINT
+    where = _endpoint()
     if isinstance(exc, GatedRepoError):
         return (
             f"{ref.repo_id} is gated: accept its conditions on its page at {where}, then set "
@@ -186,7 +185,7 @@ def _download(ref, revision, listing, include_format, cache_path, say) -> PullRe
         + (f"; {size_text(to_fetch)} to download" if len(new) < len(wanted) else "")
         + (f", {size_text(partial)} of it from an interrupted pull" if partial else "")
     )
-    _fetch_weights(ref, commit, own, storage, cache_path / ".locks")
+    made = _fetch_weights(ref, commit, own, storage, cache_path / ".locks")
     path = snapshot_download(
         ref.repo_id,
         revision=revision,
@@ -194,16 +193,45 @@ def _download(ref, revision, listing, include_format, cache_path, say) -> PullRe
         allow_patterns=[glob.escape(p) for p in wanted],
     )
     path = Path(path)
-    _drop_unlinked(path, own, storage)
-    _verify(ref, path, [e for e in new if e not in own], say)
+    _drop_unlinked(path, made, storage)
+    _verify(ref, path, storage, [e for e in new if e not in own], say)
     _name_revision(storage, ref, commit)
     return PullResult(ref, commit, path, fmt, total, to_fetch, offline=False)
 
 
-def _drop_unlinked(path: Path, own: list, storage: Path) -> None:
-    """A blob this pull fetched that the hub client did not link (it named the file otherwise
-    and fetched it again) is only taking space."""
-    for entry in own:
+def _endpoint() -> str:
+    """The hub's address for messages, without any user:password@ it carries."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from huggingface_hub import constants
+
+    parts = urlsplit(constants.ENDPOINT)
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=host))
+
+
+def _remove_snapshot_file(file: Path, storage: Path) -> None:
+    """A snapshot file and, where it is the cache's link to a blob, that blob; never a file
+    outside the repo's blob store, nor a link planted there."""
+    blob = None
+    if file.is_symlink():
+        target = (file.parent / os.readlink(file)).resolve(strict=False)
+        blobs = (storage / "blobs").resolve()
+        candidate = blobs / target.name
+        if target.parent == blobs and not candidate.is_symlink():
+            blob = candidate
+    file.unlink(missing_ok=True)
+    if blob is not None:
+        blob.unlink(missing_ok=True)
+
+
+def _drop_unlinked(path: Path, made: list, storage: Path) -> None:
+    """A blob this pull made that the hub client did not link (it named the file otherwise and
+    fetched it again) is only taking space. Blobs that were there before are left alone: another
+    snapshot may link them."""
+    for entry in made:
         blob = blob_path(storage, entry)
         if blob.exists() and (path / entry.path).resolve() != blob.resolve():
             blob.unlink()
@@ -224,10 +252,11 @@ def _name_revision(storage: Path, ref: RepoRef, commit: str) -> None:
     os.replace(temp, path)
 
 
-def _fetch_weights(ref: RepoRef, commit: str, entries: list, storage: Path, locks: Path) -> None:
-    """The weight files into the blob store, a few at a time, under one progress bar."""
+def _fetch_weights(ref: RepoRef, commit: str, entries: list, storage: Path, locks: Path) -> list:
+    """The weight files into the blob store, a few at a time, under one progress bar; returns
+    the entries whose blobs this pull made."""
     if not entries:
-        return
+        return []
     from huggingface_hub.utils import tqdm
 
     have = sum(_size(partial_path(storage, e)) for e in entries)
@@ -247,14 +276,15 @@ def _fetch_weights(ref: RepoRef, commit: str, entries: list, storage: Path, lock
                 with lock:
                     bar.update(n)
 
-        def fetch(entry) -> None:
-            fetch_blob(ref.repo_id, commit, entry, storage, locks, Progress)
+        def fetch(entry) -> bool:
+            return fetch_blob(ref.repo_id, commit, entry, storage, locks, Progress)
 
         try:
             with ThreadPoolExecutor(max_workers=min(_WEIGHT_WORKERS, len(entries))) as pool:
-                list(pool.map(fetch, entries))
+                made = list(pool.map(fetch, entries))
         except ResumeError as exc:
             raise PullError(f"{ref}: {exc}; run `wd-engine pull {ref}` again") from exc
+    return [entry for entry, new in zip(entries, made) if new]
 
 
 def _size(path: Path) -> int:
@@ -287,7 +317,7 @@ def _check_disk(cache_path: Path, needed: int) -> None:
         )
 
 
-def _verify(ref: RepoRef, path: Path, fetched: list, say) -> None:
+def _verify(ref: RepoRef, path: Path, storage: Path, fetched: list, say) -> None:
     """Check the files this pull downloaded against the hub's checksums; a mismatch is removed
     (the snapshot's link and its blob) so that the next pull fetches it again."""
     if not fetched:
@@ -300,10 +330,7 @@ def _verify(ref: RepoRef, path: Path, fetched: list, say) -> None:
         else:
             expected, actual = entry.blob_id, _git_blob_id(file)
         if actual != expected:
-            blob = file.resolve()
-            file.unlink(missing_ok=True)
-            if blob != file:
-                blob.unlink(missing_ok=True)
+            _remove_snapshot_file(file, storage)
             raise PullError(
                 f"{ref}: {entry.path} does not match the hub's checksum ({expected}, got "
                 f"{actual}); it was removed: run `wd-engine pull {ref}` again"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -31,29 +32,39 @@ def resumable(entry) -> bool:
     return entry.lfs is not None
 
 
+def _checked_sha256(entry) -> str:
+    """The entry's sha256 as a file name: 64 hex digits, nothing a server could turn into a path
+    outside the blob store."""
+    sha = entry.lfs.sha256
+    if not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
+        raise ResumeError(f"{entry.path}: the hub sent {sha!r}, not a sha256")
+    return sha
+
+
 def blob_path(storage: Path, entry) -> Path:
-    return storage / "blobs" / entry.lfs.sha256
+    return storage / "blobs" / _checked_sha256(entry)
 
 
 def partial_path(storage: Path, entry) -> Path:
-    return storage / "blobs" / f"{entry.lfs.sha256}.incomplete"
+    return storage / "blobs" / f"{_checked_sha256(entry)}.incomplete"
 
 
-def fetch_blob(repo_id: str, commit: str, entry, storage: Path, locks: Path, progress) -> None:
+def fetch_blob(repo_id: str, commit: str, entry, storage: Path, locks: Path, progress) -> bool:
     """Make `blobs/<sha256>` of `entry` in the repo's cache folder `storage`, continuing a
-    partial download; `progress.update(n)` for each n bytes received. ResumeError when the file
-    cannot be had (or does not match its checksum: the partial file is then removed)."""
+    partial download; `progress.update(n)` for each n bytes received. True when this call made
+    the blob, False when it was there already. ResumeError when the file cannot be had (or does
+    not match its checksum: the partial file is then removed)."""
     from huggingface_hub.utils import WeakFileLock
 
     blob = blob_path(storage, entry)
     if blob.exists():
-        return
+        return False
     blob.parent.mkdir(parents=True, exist_ok=True)
     lock = locks / storage.name / f"{entry.lfs.sha256}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     with WeakFileLock(lock):
         if blob.exists():  # another process finished it meanwhile
-            return
+            return False
         partial = partial_path(storage, entry)
         stalled = 0  # tries in a row that added nothing
         while (have := _size(partial)) < entry.size:
@@ -76,6 +87,7 @@ def fetch_blob(repo_id: str, commit: str, entry, storage: Path, locks: Path, pro
                 f"{entry.path} does not match the hub's sha256 {entry.lfs.sha256}: removed"
             )
         os.replace(partial, blob)
+        return True
 
 
 def _fetch_rest(repo_id: str, commit: str, entry, partial: Path, have: int, progress) -> None:
@@ -100,7 +112,9 @@ def _fetch_rest(repo_id: str, commit: str, entry, partial: Path, have: int, prog
         if have and response.status_code != 206:
             progress.update(-have)
             have = 0
-        with partial.open("r+b" if have else "wb") as f:
+        # Never through a link planted at the partial file's name.
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(partial, flags, 0o644), "wb") as f:
             f.seek(have)
             f.truncate()
             for chunk in response.iter_bytes():  # as it arrives: the file is what came

