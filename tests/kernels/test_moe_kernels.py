@@ -9,6 +9,7 @@ outputs with NaN first, so an element the kernel fails to write cannot pass.
 
 import pytest
 import torch
+from quantized_layers import poison_torch_empty
 
 from kernels import dispatch, reference
 from kernels import warp_decode as wd
@@ -44,14 +45,7 @@ SHAPES = [
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
     """Every torch.empty the kernels allocate starts as NaN (ints: a large sentinel)."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        t.fill_(float("nan") if t.is_floating_point() else 2**30)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    poison_torch_empty(monkeypatch)
 
 
 def make_layer(tokens, hidden, inter, experts, top_k, seed):

@@ -10,8 +10,8 @@ gate/up weight, may hold gate and up rows alike). The only roundings are the act
 import pytest
 import torch
 import torch.nn.functional as F
+from quantized_layers import poison_torch_empty, quantize, quantized_moe_layer
 
-from engine.loading import fp8, int4
 from kernels import fused_moe as ec
 from kernels import reference, tuned
 from kernels.gemv import skinny_linear
@@ -29,32 +29,11 @@ FUSED_SMALL = {
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
     """Every torch.empty starts as NaN (ints: a large sentinel): unwritten outputs can't pass."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        t.fill_(float("nan") if t.is_floating_point() else 2**30)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-def quantize(w: torch.Tensor, fmt: str, size: int):
-    return fp8.quantized_weight(w, size) if fmt == "fp8" else int4.quantized_weight(w, size)
+    poison_torch_empty(monkeypatch)
 
 
 def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
-
-
-def make_layer(tokens, hidden, inter, experts, top_k, fmt, size, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    router = torch.randn(experts, hidden, generator=gen).bfloat16()
-    ids, weights = reference.route(x, router, top_k, norm_topk_prob=True)
-    return x, quantize(gate_up, fmt, size), quantize(down, fmt, size), ids, weights
 
 
 # (tokens, hidden, inter, experts, top_k, format, block or group).
@@ -74,7 +53,7 @@ FUSED_CASES = [
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_fused_moe_reads_quantized_weights(case):
     tokens, hidden = case[:2]
-    layer = make_layer(*case, seed=sum(case[:5]) + case[6])
+    layer = quantized_moe_layer(*case, seed=sum(case[:5]) + case[6])
     y = ec.fused_moe(*layer, config=FUSED_SMALL)
     assert y.shape == (tokens, hidden) and y.dtype == torch.bfloat16
     assert torch.isfinite(y).all(), "unwritten (NaN) or broken outputs"
@@ -91,7 +70,7 @@ def test_fused_moe_reads_quantized_weights(case):
 
 def test_fused_moe_default_tiles_fit_the_scales():
     """The default (large) BLOCK_K shrinks to an int4 group of 16; the K loops stay correct."""
-    layer = make_layer(6, 96, 48, 4, 2, "int4", 16, seed=7)
+    layer = quantized_moe_layer(6, 96, 48, 4, 2, "int4", 16, seed=7)
     x, w_gate_up, w_down, ids, weights = layer
     y = ec.fused_moe(*layer)
     ref = reference.moe_float64(x, dequantize(w_gate_up), dequantize(w_down), ids, weights)

@@ -8,6 +8,7 @@ read the stored bytes; the only roundings are bf16's (the intermediate and the o
 
 import pytest
 import torch
+from quantized_layers import quantized_moe_layer
 
 from engine.loading import fp8, int4
 from kernels import reference
@@ -20,20 +21,6 @@ SMALL = {
     "down": {"BLOCK_H": 16, "BLOCK_I": 32, "num_warps": 4},
 }
 PRELOAD = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": True}}
-
-
-def quantize(w: torch.Tensor, fmt: str, size: int):
-    return fp8.quantized_weight(w, size) if fmt == "fp8" else int4.quantized_weight(w, size)
-
-
-def make_layer(tokens, hidden, inter, experts, top_k, fmt, size, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    router = torch.randn(experts, hidden, generator=gen).bfloat16()
-    ids, weights = reference.route(x, router, top_k, norm_topk_prob=True)
-    return x, quantize(gate_up, fmt, size), quantize(down, fmt, size), ids, weights
 
 
 def float64_reference(x, w_gate_up, w_down, ids, weights):
@@ -61,7 +48,7 @@ CASES = [
 @pytest.mark.parametrize("config", [SMALL, PRELOAD], ids=["plain", "preload"])
 def test_warp_decode_reads_quantized_weights(case, config):
     tokens, hidden, inter, experts, top_k, fmt, size = case
-    layer = make_layer(*case, seed=sum(case[:5]) + size)
+    layer = quantized_moe_layer(*case, seed=sum(case[:5]) + size)
     y = warp_decode_moe(*layer, config=config)
     assert y.shape == (tokens, hidden) and y.dtype == torch.bfloat16
     assert torch.isfinite(y).all()
@@ -78,7 +65,7 @@ def test_groups_narrower_than_a_tile_are_refused():
     assert kernels_read(int4.quantized_weight(torch.randn(2, 8, 64), 32))
     assert kernels_read(fp8.quantized_weight(torch.randn(2, 8, 64), 16))
     with pytest.raises(ValueError, match="group"):
-        layer = make_layer(1, 64, 32, 4, 2, "int4", 8, seed=1)
+        layer = quantized_moe_layer(1, 64, 32, 4, 2, "int4", 8, seed=1)
         warp_decode_moe(*layer, config=SMALL)
 
 
@@ -99,7 +86,7 @@ def test_quantized_weights_keep_their_bytes():
 def test_warp_decode_on_quantized_equals_it_on_the_dequantized_weights():
     """The same weights in bf16 (exact: our scales make every value a bf16) give the same
     output up to fp32 summation order."""
-    layer = make_layer(2, 64, 48, 8, 2, "int4", 16, seed=3)
+    layer = quantized_moe_layer(2, 64, 48, 8, 2, "int4", 16, seed=3)
     x, w_gate_up, w_down, ids, weights = layer
     y_q = warp_decode_moe(*layer, config=SMALL)
     y_bf16 = warp_decode_moe(
