@@ -70,18 +70,20 @@ def moe(
     w_down: Weight,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """MoE layer output y [T, H] in x's dtype.
 
     x [T, H]; w_gate_up [E, 2I, H] gate rows first; w_down [E, H, I] (tensors, or on CUDA
     quantized weights, kernels.quant); topk_ids [T, k] int; topk_weights [T, k] fp32 (as
-    returned by `route`).
+    returned by `route`). `pdl`: the decode step's kernels form a PDL chain (kernels.pdl), which
+    warp decode joins; the other paths launch as usual.
     """
     tokens, top_k = topk_ids.shape
     experts = w_gate_up.shape[0]
     if x.is_cuda:
         path = choose_path(tokens, top_k, experts, format_name(w_down))
-        return run_path(path, x, w_gate_up, w_down, topk_ids, topk_weights)
+        return run_path(path, x, w_gate_up, w_down, topk_ids, topk_weights, pdl)
     w_gate_up, w_down = dequantize(w_gate_up, x.dtype), dequantize(w_down, x.dtype)
     # CPU: the output-centric reference reads T*k experts' weights, fine for a few tokens;
     # past one slot per expert, grouping by expert reads less.
@@ -90,12 +92,14 @@ def moe(
     return reference.moe_expert_centric(x, w_gate_up, w_down, topk_ids, topk_weights)
 
 
-def run_path(path: str, x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+def run_path(
+    path: str, x, w_gate_up, w_down, topk_ids, topk_weights, pdl: bool = False
+) -> torch.Tensor:
     """Run one Triton path by name (the kernels import Triton, so they load on first use)."""
     if path == WARP_DECODE:
         from kernels.warp_decode import warp_decode_moe
 
-        return warp_decode_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+        return warp_decode_moe(x, w_gate_up, w_down, topk_ids, topk_weights, pdl=pdl)
     if path == WARP_DECODE_DEDUP:
         from kernels.warp_decode_dedup import warp_decode_dedup_moe
 

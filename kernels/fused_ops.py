@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.triton_env import next_pow2
 
 
@@ -91,7 +92,10 @@ def _qk_norm_rope_store_kernel(
     eps,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait(PDL)  # everything here reads the projection just written
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads, as they sit in qkv
     d = tl.arange(0, HALF)
@@ -130,13 +134,13 @@ def _qk_norm_rope_store_kernel(
             tl.float32
         )
         if is_q:
-            dst = q_out_ptr + (token * n_q_heads + head) * HEAD_DIM
-            tl.store(dst + d, r_lo.to(out_dtype))
-            tl.store(dst + HALF + d, r_hi.to(out_dtype))
+            q_dst = q_out_ptr + (token * n_q_heads + head) * HEAD_DIM
+            tl.store(q_dst + d, r_lo.to(out_dtype))
+            tl.store(q_dst + HALF + d, r_hi.to(out_dtype))
         else:
-            dst = k_dst_ptr + slot * stride_dst_slot + (head - n_q_heads) * HEAD_DIM
-            tl.store(dst + d, r_lo.to(k_dst_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, r_hi.to(k_dst_ptr.dtype.element_ty))
+            k_dst = k_dst_ptr + slot * stride_dst_slot + (head - n_q_heads) * HEAD_DIM
+            tl.store(k_dst + d, r_lo.to(k_dst_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF + d, r_hi.to(k_dst_ptr.dtype.element_ty))
 
 
 def qk_norm_rope_store(
@@ -151,12 +155,14 @@ def qk_norm_rope_store(
     n_q_heads: int,
     n_kv_heads: int,
     eps: float,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention inputs of T decode tokens from their fused projection, in one launch.
 
     qkv [T, (Hq + 2*Hkv) * D]; q_norm, k_norm [D]; cos, sin [T, D] (rotate-half tables in the
     activation dtype); key_dst, value_dst [slots, Hkv, D] (the KV pool's layer, or a scratch);
     slots [T] where each token's k and v go. Returns q [T, Hq, D], normed and rotated.
+    `pdl`: launched as a link of a PDL chain (kernels.pdl).
     """
     tokens = qkv.shape[0]
     head_dim = q_norm.shape[0]
@@ -182,6 +188,8 @@ def qk_norm_rope_store(
         eps,
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
+        PDL=pdl and pdl_supported(qkv.device),
         num_warps=1,
+        **launch_options(pdl and pdl_supported(qkv.device)),
     )
     return q

@@ -23,7 +23,6 @@ to the expert-centric path (`kernels.fused_moe`) where that is measured to be fa
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,6 +31,7 @@ import triton.language as tl
 
 from kernels import tuned
 from kernels.moe_inputs import moe_inputs
+from kernels.pdl import launch_dependents, pdl_supported, wait
 from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
 from kernels.quant_tiles import (
     fp8_column_scales,
@@ -47,20 +47,8 @@ DOWN_TILE_BUDGET = 16384
 L2_LINE_BYTES = 128
 
 
-@functools.cache
-def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch: Hopper or later, a Triton with the griddepcontrol ops,
-    and not the CPU interpreter (which cannot run inline PTX)."""
-    if interpreting() or not torch.cuda.is_available():
-        return False
-    cuda_ext = getattr(getattr(tl, "extra", None), "cuda", None)
-    if not hasattr(cuda_ext, "gdc_wait") or not hasattr(cuda_ext, "gdc_launch_dependents"):
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def use_pdl(cfg: dict, device: torch.device) -> bool:
-    return bool(cfg.get("pdl")) and device.type == "cuda" and pdl_supported(device.index or 0)
+    return bool(cfg.get("pdl")) and pdl_supported(device)
 
 
 @triton.jit
@@ -117,9 +105,11 @@ def _gate_up_silu_kernel(
     DOWN_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     EVICT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
         tl.extra.cuda.gdc_launch_dependents()
+    wait(PDL)  # a link of the decode step's chain: the routing and x come from before
     slot = tl.program_id(0)
     pid_i = tl.program_id(1)
     token = slot // top_k
@@ -242,6 +232,7 @@ def _down_kernel(
     LINE_ELEMS: tl.constexpr,
     PRELOAD: tl.constexpr,
 ):
+    launch_dependents(PDL)  # the next kernel of a PDL chain may start during this one's tail
     token = tl.program_id(0)
     pid_h = tl.program_id(1)
 
@@ -348,6 +339,7 @@ def warp_decode_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: dict | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """MoE layer by warp decode (output-centric); returns y [T, H] in x's dtype.
 
@@ -359,6 +351,8 @@ def warp_decode_moe(
     with fp32 accumulation throughout; the only rounding between input and output is the
     intermediate silu(gate)*up stored in x's dtype between the two launches.
     `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning).
+    `pdl`: the pair is a link of a PDL chain (kernels.pdl): kernel 1 waits for the kernel before
+    it, kernel 2 lets the kernel after it start early.
     """
     x, w_gate_up, w_down, ids, route_w, n_tokens, hidden, inter, experts, top_k = moe_inputs(
         x, w_gate_up, w_down, topk_ids, topk_weights
@@ -366,13 +360,14 @@ def warp_decode_moe(
     cfg = config or default_configs(n_tokens, hidden, inter, experts, top_k, format_name(w_down))
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
-    pdl = use_pdl(cfg["down"], x.device)
-    act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"], launch_deps=pdl, w_down=w_down)
-    return down(act, w_down, ids, route_w, cfg["down"])
+    chain = pdl and pdl_supported(x.device)
+    pdl = chain or use_pdl(cfg["down"], x.device)
+    act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"], launch_deps=pdl, w_down=w_down, pdl=chain)
+    return down(act, w_down, ids, route_w, dict(cfg["down"], pdl=pdl))
 
 
 def gate_up_silu(
-    x, w_gate_up: Weight, ids, cfg: dict, launch_deps: bool = False, w_down=None
+    x, w_gate_up: Weight, ids, cfg: dict, launch_deps: bool = False, w_down=None, pdl=False
 ) -> torch.Tensor:
     """Kernel 1: act [T*k, I] = silu(gate) * up of each routed slot, in x's dtype.
 
@@ -430,7 +425,8 @@ def gate_up_silu(
         DOWN_LINES=next_pow2(triton.cdiv(down_lines, n_i)) if prefetch else 0,
         LINE_ELEMS=line_elems,
         EVICT="evict_first" if prefetch else "",
-        **_launch_opts(cfg),
+        PDL=pdl,
+        **_launch_opts(cfg, pdl),
     )
     return act
 

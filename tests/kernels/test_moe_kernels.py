@@ -12,9 +12,9 @@ import torch
 from quantized_layers import poison_torch_empty
 
 from kernels import dispatch, reference
-from kernels import warp_decode as wd
 from kernels.fused_moe import fused_moe
 from kernels.moe_align import align_by_expert
+from kernels.pdl import pdl_supported
 from kernels.router import route as triton_route
 from kernels.warp_decode import warp_decode_moe
 from kernels.warp_decode_batched import warp_decode_batched_moe
@@ -81,7 +81,7 @@ def test_warp_decode_matches_reference(shape):
 def test_warp_decode_overlap_config_falls_back_without_pdl():
     # The interpreter cannot run griddepcontrol / prefetch PTX: an overlap config must run as
     # the plain pair there (and on GPUs before Hopper).
-    assert not wd.pdl_supported(0)
+    assert not pdl_supported(0)
     layer = make_layer(5, 70, 40, 6, 3, seed=31)
     cfg = {
         "gate_up": dict(WARP_SMALL["gate_up"], prefetch_down=True),
