@@ -1,10 +1,14 @@
-"""Skinny matmul for decode-sized inputs: y [M, N] = x [M, K] @ w[N, K]^T with M <= 16.
+"""Skinny matmul for decode-sized inputs: y [M, N] = x [M, K] @ w[N, K]^T with M <= 32.
 
-At decode, a projection (q/k/v, o, router, lm_head) is one pass over its weight matrix: its
-speed is the weight read. Each program streams a BLOCK_N x K stripe of w once, holds the few
-activation rows in registers, and accumulates in fp32 on the tensor cores (rows padded to 16,
-which costs nothing in a read-bound kernel). Used by the CUDA decode step where it is measured
-faster than the library GEMM (`engine.bench.decode`).
+At decode, a projection (q/k/v, o, lm_head) is one pass over its weight matrix: its speed is
+the weight read. Each program streams a BLOCK_N x K stripe of w once, holds the few activation
+rows in registers, and accumulates in fp32 on the tensor cores (rows padded to 16, which costs
+nothing in a read-bound kernel).
+
+`norm_linear` folds the residual add and RMSNorm that precede a projection into it: every
+program recomputes the norm of the few rows it multiplies (a few KB from L2, against the
+stripe of weights it streams), so the decode step saves the norm's launch. In a PDL chain
+(kernels.pdl) the first weight tile is loaded before the wait for the previous kernel.
 
 w may be quantized (kernels.quant): FP8 blocks or int4 groups, read as stored and dequantized
 in registers (`quantized_dot`, shared with kernels.fused_moe); activations stay as they are.
@@ -16,20 +20,117 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.quant import (
     Weight,
     is_quantized,
     kernel_weight,
 )
 from kernels.quant_tiles import k_step, quantized_dot
-from kernels.triton_env import interpreting
+from kernels.triton_env import interpreting, next_pow2
 
-MAX_ROWS = 16
+MAX_ROWS = 32
+
+
+@triton.jit
+def _row_inverse_rms(
+    x_ptr,
+    delta_ptr,
+    sum_ptr,
+    offs_m,
+    mask_m,
+    k_in,
+    stride_xm,
+    eps,
+    STORE_SUM,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """1 / rms of each row of s = x + delta (rounded to x's dtype, as torch's add is); the
+    program that owns the first output stripe also stores s."""
+    offs_k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        mask = mask_m[:, None] & (k0 + offs_k < k_in)[None, :]
+        offs = offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+        s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            s += tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s = s.to(x_ptr.dtype.element_ty)
+            if STORE_SUM:
+                tl.store(sum_ptr + offs, s, mask=mask)
+            s = s.to(tl.float32)
+        squares += s * s
+    return tl.rsqrt(tl.sum(squares, axis=1) / k_in + eps)
+
+
+@triton.jit
+def _activations(
+    x_ptr,
+    delta_ptr,
+    nw_ptr,
+    inv_rms,
+    offs_m,
+    mask_m,
+    k0,
+    k_in,
+    stride_xm,
+    NORM: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """The K step at k0 of the rows the dot multiplies: x itself, or rms_norm(x + delta) * nw
+    rounded as `kernels.fused_ops.add_rms_norm` rounds it. fp32 under the interpreter."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_in
+    mask = mask_m[:, None] & mask_k[None, :]
+    offs = offs_m[:, None] * stride_xm + offs_k[None, :]
+    a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if NORM:
+        dtype = x_ptr.dtype.element_ty
+        s = a.to(tl.float32)
+        if HAS_DELTA:
+            s = (s + tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            s = s.to(tl.float32)
+        normed = (s * inv_rms[:, None]).to(dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = (nw[None, :] * normed).to(dtype)
+    if DOT_F32:  # the interpreter can't multiply bf16
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _accumulate(
+    a,
+    w,
+    s_rows,
+    k0,
+    k_in,
+    acc,
+    FORMAT: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """acc + a @ w^T for the loaded weight tile of the K step at k0 (plain or quantized)."""
+    if FORMAT == 0:
+        if INTERPRET:  # the interpreter can't multiply bf16
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc)
+    else:
+        acc = quantized_dot(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K)
+    return acc
 
 
 @triton.jit
 def _skinny_kernel(
     x_ptr,
+    delta_ptr,
+    nw_ptr,
+    sum_ptr,
     w_ptr,
     s_ptr,
     b_ptr,
@@ -41,7 +142,10 @@ def _skinny_kernel(
     stride_wn,
     stride_sn,
     stride_ym,
+    eps,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
@@ -50,49 +154,85 @@ def _skinny_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, BLOCK_K // PER_ITEM)  # stored items (int4: words) of a step
     mask_n = offs_n < n_out
     mask_m = offs_m < n_rows
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    if FORMAT == 0:
-        for k0 in range(0, k_in, BLOCK_K):
-            mask_k = k0 + offs_k < k_in
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :],
-                mask=mask_n[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            if INTERPRET:  # the interpreter can't multiply bf16
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc)
-    else:
-        offs_c = tl.arange(0, BLOCK_K // PER_ITEM)  # stored items (int4: words) of a step
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_c[None, :]
-        rows = tl.minimum(offs_n, n_out - 1)  # masked rows read a real scale
-        s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64) * stride_sn
-        for k0 in range(0, k_in, BLOCK_K):
-            mask_k = k0 + offs_k < k_in
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            if INTERPRET:  # the dot's operands: fp32 there, else x's dtype
-                x = x.to(tl.float32)
-            mask_w = mask_n[:, None] & (k0 + offs_c * PER_ITEM < k_in)[None, :]
-            w = tl.load(w_ptrs, mask=mask_w, other=0)
-            acc = quantized_dot(x, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K)
-            w_ptrs += BLOCK_K // PER_ITEM
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_c[None, :]
+    rows = tl.minimum(offs_n, n_out - 1)  # masked rows read a real scale
+    s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64) * stride_sn
+    # The first weight tile depends on nothing the previous kernel writes: in flight before
+    # the wait.
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_c * PER_ITEM < k_in)[None, :], other=0)
+    wait(PDL)
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:
+        inv_rms = _row_inverse_rms(
+            x_ptr,
+            delta_ptr,
+            sum_ptr,
+            offs_m,
+            mask_m,
+            k_in,
+            stride_xm,
+            eps,
+            pid == 0,
+            HAS_DELTA,
+            BLOCK_K,
+            ROWS,
+        )
+    a = _activations(
+        x_ptr,
+        delta_ptr,
+        nw_ptr,
+        inv_rms,
+        offs_m,
+        mask_m,
+        0,
+        k_in,
+        stride_xm,
+        NORM,
+        HAS_DELTA,
+        BLOCK_K,
+        INTERPRET,
+    )
+    acc = _accumulate(
+        a,
+        w,
+        s_rows,
+        0,
+        k_in,
+        tl.zeros([ROWS, BLOCK_N], dtype=tl.float32),
+        FORMAT,
+        SCALE_COLS,
+        BLOCK_K,
+        INTERPRET,
+    )
+    for k0 in range(BLOCK_K, k_in, BLOCK_K):
+        w_ptrs += BLOCK_K // PER_ITEM
+        mask_w = mask_n[:, None] & (k0 + offs_c * PER_ITEM < k_in)[None, :]
+        w = tl.load(w_ptrs, mask=mask_w, other=0)
+        a = _activations(
+            x_ptr,
+            delta_ptr,
+            nw_ptr,
+            inv_rms,
+            offs_m,
+            mask_m,
+            k0,
+            k_in,
+            stride_xm,
+            NORM,
+            HAS_DELTA,
+            BLOCK_K,
+            INTERPRET,
+        )
+        acc = _accumulate(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, INTERPRET)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -110,21 +250,59 @@ def skinny_linear(
     block_k: int = 256,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """F.linear(x, w, bias) for x [M, K] with M <= 16 rows, in x's dtype (fp32 accumulation).
+    """F.linear(x, w, bias) for x [M, K] with M <= MAX_ROWS rows, in x's dtype (fp32
+    accumulation).
 
     w [N, K] is a tensor or a quantized weight (kernels.quant.kernels_read); a quantized weight's
-    K steps shrink to fit its scales (`k_step`)."""
+    K steps shrink to fit its scales (`k_step`). `pdl`: launched as a link of a PDL chain."""
+    _, y = _launch(x, None, None, 0.0, w, bias, block_n, block_k, num_warps, num_stages, pdl)
+    return y
+
+
+def norm_linear(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: Weight,
+    bias: torch.Tensor | None = None,
+    block_n: int = 16,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, F.linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta (s = x when delta
+    is None), in one launch: `kernels.fused_ops.add_rms_norm` followed by `skinny_linear`, with
+    the same roundings. x, delta [M, K] with M <= MAX_ROWS."""
+    return _launch(
+        x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, num_stages, pdl
+    )
+
+
+def _launch(x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, num_stages, pdl):
     n_rows, k_in = x.shape
     n_out = w.shape[0]
-    assert n_rows <= MAX_ROWS and len(w.shape) == 2 and w.shape[1] == k_in
+    assert 0 < n_rows <= MAX_ROWS and len(w.shape) == 2 and w.shape[1] == k_in
     assert is_quantized(w) or w.stride(1) == 1, "a plain w must be contiguous along K"
     kw = kernel_weight(w)
     block_k = k_step(block_k, kw)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = x.contiguous()
+    norm = norm_weight is not None
+    if delta is not None:
+        assert norm and delta.shape == x.shape
+        delta = delta.contiguous()
+        total = torch.empty_like(x)
+    else:
+        total = x
     y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n_out, block_n),)](
         x,
+        delta if delta is not None else x,
+        norm_weight if norm else x,
+        total,
         kw.stored,
         kw.scale,
         bias if bias is not None else kw.stored,
@@ -136,16 +314,21 @@ def skinny_linear(
         kw.stored.stride(0),
         kw.scale.stride(0),
         y.stride(0),
+        eps,
         HAS_BIAS=bias is not None,
+        NORM=norm,
+        HAS_DELTA=delta is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ROWS=MAX_ROWS,
+        ROWS=max(16, next_pow2(n_rows)),
         INTERPRET=interpreting(),
         FORMAT=kw.format,
         SCALE_ROWS=kw.scale_rows,
         SCALE_COLS=kw.scale_cols,
         PER_ITEM=kw.per_item,
+        PDL=pdl and pdl_supported(x.device),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl and pdl_supported(x.device)),
     )
-    return y
+    return total, y

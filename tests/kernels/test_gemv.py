@@ -1,13 +1,17 @@
-"""The skinny decode matmul against F.linear (Triton interpreter on the CPU)."""
+"""The skinny decode matmul against F.linear, and its fused residual add + RMSNorm prologue
+against `add_rms_norm` followed by the matmul (Triton interpreter on the CPU)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from quantized_layers import poison_torch_empty, quantize
 
-from kernels.gemv import skinny_linear
+from kernels.fused_ops import add_rms_norm
+from kernels.gemv import norm_linear, skinny_linear
+from kernels.quant import dequantize
 
 
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 96), (3, 33, 100), (16, 16, 64)])
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 96), (3, 33, 100), (16, 16, 64), (27, 20, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear(rows, n_out, k_in, dtype, bias):
@@ -20,3 +24,40 @@ def test_matches_linear(rows, n_out, k_in, dtype, bias):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.isfinite(got.float()).all()
     assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < tol
+
+
+def _norm_case(rows, k_in, dtype, with_delta, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, k_in, generator=g)).to(dtype)
+    delta = torch.randn(rows, k_in, generator=g).to(dtype) if with_delta else None
+    norm_w = (1 + 0.3 * torch.randn(k_in, generator=g)).to(dtype)
+    return x, delta, norm_w, g
+
+
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 96), (5, 33, 100), (19, 24, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_norm_linear_is_add_rms_norm_then_linear(rows, n_out, k_in, dtype, with_delta, monkeypatch):
+    poison_torch_empty(monkeypatch)
+    x, delta, norm_w, g = _norm_case(rows, k_in, dtype, with_delta, seed=rows + k_in)
+    w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).to(dtype)
+    total, y = norm_linear(x, delta, norm_w, 1e-6, w, block_n=16, block_k=32)
+    ref_total, h = add_rms_norm(x, delta, norm_w, 1e-6)
+    # The sum is one rounded add either way; the norm's statistics differ only in fp32 order.
+    assert torch.equal(total, ref_total)
+    expected = h.double() @ w.double().T
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert y.shape == (rows, n_out) and torch.isfinite(y.float()).all()
+    assert ((y.double() - expected).abs().max() / expected.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("fmt,size", [("fp8", 16), ("int4", 32)])
+def test_norm_linear_reads_quantized_weights(fmt, size, monkeypatch):
+    poison_torch_empty(monkeypatch)
+    x, delta, norm_w, g = _norm_case(3, 96, torch.bfloat16, True, seed=size)
+    w = quantize(torch.randn(37, 96, generator=g) / 96**0.5, fmt, size)
+    bias = torch.randn(37, generator=g).bfloat16()
+    total, y = norm_linear(x, delta, norm_w, 1e-6, w, bias, block_n=16, block_k=32)
+    _, h = add_rms_norm(x, delta, norm_w, 1e-6)
+    expected = h.double() @ dequantize(w, torch.float64).T + bias.double()
+    assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-2
