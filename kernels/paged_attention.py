@@ -5,10 +5,12 @@ scattered over the pool: slot = block * block_size + offset, K/V stored [slots, 
 fp16 / fp32, or fp8 e4m3 with one fp32 scale per (slot, head), dequantised here).
 
 At batch 1 there are only Hkv (e.g. 4) heads to spread over 132 SMs, so the sequence is split:
-kernel 1 runs one program per (sequence, kv head, split of the keys), all GQA query heads of
-that kv head together as the rows of tensor-core dots (padded to 16), with an online softmax,
-and writes a partial (max, sum, weighted V);
-kernel 2 merges the splits of each (sequence, query head). fp32 throughout, one output write.
+the split kernel runs one program per (sequence, kv head, split of the keys), all GQA query heads
+of that kv head together as the rows of tensor-core dots (padded to 16), with an online softmax,
+and writes a partial (max, sum, weighted V). The splits of each (sequence, query head) are then
+merged, either by a second launch (the merge kernel) or, with `fused_merge`, inside the split
+kernel by whichever split program of a (sequence, kv head) finishes last (one launch: a decode
+step is launch-bound). fp32 throughout, one output write.
 """
 
 from __future__ import annotations
@@ -17,10 +19,85 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.triton_env import interpreting, next_pow2
 
 TILE = 64  # keys per inner step (one tl.dot)
 PROGRAMS_WANTED = 2 * 132  # about two programs per SM of an H100/H200
+
+
+@triton.jit
+def _merge_splits(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    row0,
+    n_splits,
+    out_ptr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+):
+    """One query head's output out_ptr[:HEAD_DIM] from its n_splits partials, rows
+    row0 .. row0 + n_splits - 1 of m/l [rows] and acc [rows, HEAD_DIM] (fp32)."""
+    sp = tl.arange(0, SPLIT_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_ok = sp < n_splits
+    d_ok = d < HEAD_DIM
+    row = row0 + sp
+    # .cg: the partials come from other programs, so read them from L2, never a stale L1 line.
+    m = tl.load(m_ptr + row, mask=sp_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(l_ptr + row, mask=sp_ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=sp_ok[:, None] & d_ok[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    top = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # empty splits (past the end) weigh 0
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(out_ptr + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _merge_if_last(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    counter_ptr,
+    b,
+    kvh,
+    n_heads,
+    n_splits,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+):
+    """Called by every split program of (sequence b, kv head kvh) once its partials are stored:
+    the one that arrives last merges the GROUP query heads' splits into out and resets the
+    (sequence, kv head)'s counter to 0 for the next call (or CUDA-graph replay)."""
+    tl.debug_barrier()  # every thread's partial stores are done before the release below
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if count == n_splits - 1:
+        for gi in range(GROUP):
+            h = kvh * GROUP + gi
+            _merge_splits(
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                (b * n_heads + h) * n_splits,
+                n_splits,
+                out_ptr + b * stride_ob + h * stride_oh,
+                HEAD_DIM,
+                D_PAD,
+                SPLIT_PAD,
+            )
+        tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -35,26 +112,48 @@ def _split_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    out_ptr,
+    counters_ptr,
     stride_qb,
     stride_qh,
     stride_ks,
     stride_kh,
     stride_sks,
     stride_tb,
+    stride_ob,
+    stride_oh,
     n_splits,
     scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     FP8: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """Program (b, kvh, split): GROUP query heads of kv head kvh over one split of sequence b's
+    keys. Writes the partial (m, l, acc) rows (b * Hq + head) * n_splits + split; with
+    FUSED_MERGE the last split program of (b, kvh) also merges them into out (counters: one int32
+    per (b, kvh), 0 on entry and on exit); DIRECT (FUSED_MERGE with n_splits == 1) writes out
+    straight away, with no partials and no counter."""
+    launch_dependents(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    # Everything loaded below (q, K/V, table, lengths) may come from an earlier kernel.
+    wait(PDL)
+
     length = tl.load(lens_ptr + b)
     # The grid is fixed (so a CUDA graph can replay it); each sequence's keys are shared out
     # over its splits by its actual length, in whole tiles.
@@ -62,11 +161,6 @@ def _split_kernel(
     first = split * per_split
     last = tl.minimum(first + per_split, length)
 
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    heads = kvh * GROUP + g
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
@@ -109,12 +203,38 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    row = (b * (tl.num_programs(1) * GROUP) + heads) * n_splits + split
-    tl.store(m_ptr + row, m, mask=g_ok)
-    tl.store(l_ptr + row, l, mask=g_ok)
-    tl.store(
-        acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :]
-    )
+    rows_ok = g_ok[:, None] & d_ok[None, :]
+    if DIRECT:  # the only split holds the whole softmax (length >= 1, so l > 0 on real rows)
+        out = acc / tl.where(g_ok, l, 1.0)[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=rows_ok,
+        )
+    else:
+        n_heads = tl.num_programs(1) * GROUP
+        row = (b * n_heads + heads) * n_splits + split
+        tl.store(m_ptr + row, m, mask=g_ok)
+        tl.store(l_ptr + row, l, mask=g_ok)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=rows_ok)
+        if FUSED_MERGE:
+            _merge_if_last(
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                out_ptr,
+                counters_ptr + b * tl.num_programs(1) + kvh,
+                b,
+                kvh,
+                n_heads,
+                n_splits,
+                stride_ob,
+                stride_oh,
+                GROUP,
+                HEAD_DIM,
+                D_PAD,
+                SPLIT_PAD,
+            )
 
 
 @triton.jit
@@ -130,27 +250,23 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """Program (b, h): query head h of sequence b from the split kernel's partials."""
+    launch_dependents(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, SPLIT_PAD)
-    d = tl.arange(0, D_PAD)
-    sp_ok = sp < n_splits
-    row = (b * n_heads + h) * n_splits + sp
-    m = tl.load(m_ptr + row, mask=sp_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=sp_ok, other=0.0)
-    acc = tl.load(
-        acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=sp_ok[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    top = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # empty splits (past the end) weigh 0
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
+    wait(PDL)  # the partials are the split kernel's
+    _merge_splits(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        (b * n_heads + h) * n_splits,
+        n_splits,
+        out_ptr + b * stride_ob + h * stride_oh,
+        HEAD_DIM,
+        D_PAD,
+        SPLIT_PAD,
     )
 
 
@@ -164,10 +280,20 @@ def paged_decode_attention(
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
     n_splits: int | None = None,
+    fused_merge: bool = False,
+    counters: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence, RoPE applied); keys/values [slots, Hkv, D];
-    block_tables [B, max_blocks] int; lengths [B] keys per sequence (the new token's included);
-    fp8 storage: key_scales/value_scales [slots, Hkv] fp32. Returns [B, Hq, D] in q's dtype.
+    block_tables [B, max_blocks] int; lengths [B] keys per sequence (the new token's included,
+    so >= 1); fp8 storage: key_scales/value_scales [slots, Hkv] fp32. Returns [B, Hq, D] in q's
+    dtype.
+
+    fused_merge: one launch; the splits are merged by the last split program of each
+    (sequence, kv head). counters: int32, at least B * Hkv elements on q's device, all 0; the
+    call leaves them 0 again, so one buffer (zeroed once) serves every call and graph replay, as
+    long as calls using it run one after another. None: a zeroed one is allocated per call.
+    pdl: launch as part of a PDL chain (kernels/pdl.py) where the GPU supports it.
 
     The launch depends only on shapes and `n_splits` (default: from the table's width), never on
     the lengths' values, so it can be captured in a CUDA graph with a table as wide as the
@@ -178,12 +304,23 @@ def paged_decode_attention(
     q = q.contiguous()
     if n_splits is None:
         n_splits = default_splits(batch, n_kv, block_tables.shape[1] * block_size)
-    m = torch.empty(batch * n_heads * n_splits, device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
-    acc = torch.empty(batch * n_heads * n_splits, head_dim, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    direct = fused_merge and n_splits == 1
+    if direct:  # no partials: `out` stands in for their (unused) pointers
+        m = l = acc = out
+    else:
+        m = torch.empty(batch * n_heads * n_splits, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = torch.empty(batch * n_heads * n_splits, head_dim, device=q.device, dtype=m.dtype)
+    if fused_merge and not direct:
+        counters = _check_counters(counters, batch * n_kv, q.device)
+    else:
+        counters = lengths  # placeholder pointer, unused
     fp8 = key_scales is not None
-    ks = key_scales if fp8 else m  # placeholder pointers when unused
-    vs = value_scales if fp8 else m
+    ks = key_scales if fp8 else lengths  # placeholder pointers when unused
+    vs = value_scales if fp8 else lengths
+    split_pad = max(2, next_pow2(n_splits))
+    options = launch_options(pdl and pdl_supported(q.device))
     _split_kernel[(batch, n_kv, n_splits)](
         q,
         keys,
@@ -195,38 +332,63 @@ def paged_decode_attention(
         m,
         l,
         acc,
+        out,
+        counters,
         q.stride(0),
         q.stride(1),
         keys.stride(0),
         keys.stride(1),
         ks.stride(0) if fp8 else 0,
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         n_splits,
         head_dim**-0.5,
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
         D_PAD=max(16, next_pow2(head_dim)),
+        SPLIT_PAD=split_pad,
         BLOCK_SIZE=block_size,
         TILE=TILE,
         FP8=fp8,
+        FUSED_MERGE=fused_merge,
+        DIRECT=direct,
+        PDL=bool(options),
         INTERPRET=interpreting(),
+        **options,
     )
-    out = torch.empty_like(q)
-    _merge_kernel[(batch, n_heads)](
-        m,
-        l,
-        acc,
-        out,
-        out.stride(0),
-        out.stride(1),
-        n_heads,
-        n_splits,
-        HEAD_DIM=head_dim,
-        D_PAD=next_pow2(head_dim),
-        SPLIT_PAD=max(2, next_pow2(n_splits)),
-    )
+    if not fused_merge:
+        _merge_kernel[(batch, n_heads)](
+            m,
+            l,
+            acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            n_heads,
+            n_splits,
+            HEAD_DIM=head_dim,
+            D_PAD=next_pow2(head_dim),
+            SPLIT_PAD=split_pad,
+            PDL=bool(options),
+            **options,
+        )
     return out
+
+
+def _check_counters(counters: torch.Tensor | None, needed: int, device) -> torch.Tensor:
+    """The fused merge's arrival counters: the caller's (checked) or a fresh zeroed buffer."""
+    if counters is None:
+        return torch.zeros(needed, device=device, dtype=torch.int32)
+    if counters.dtype != torch.int32 or counters.numel() < needed or not counters.is_contiguous():
+        raise ValueError(
+            f"counters must be contiguous int32 with at least {needed} elements, "
+            f"got {counters.dtype} {tuple(counters.shape)}"
+        )
+    if counters.device != device:
+        raise ValueError(f"counters on {counters.device}, q on {device}")
+    return counters
 
 
 def default_splits(batch: int, n_kv_heads: int, max_tokens: int) -> int:

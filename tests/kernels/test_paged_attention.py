@@ -77,3 +77,104 @@ def test_fp8_storage_with_scales():
     ).float()
     expected = _reference(q, k8.float(), v8.float(), tables, lens, 4, k_scale, v_scale)
     assert (out - expected).abs().max().item() < 2e-2  # bf16 operands
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 17], [40, 3, 9]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_splits", [None, 1, 3, 16])  # 16: more splits than tiles, some empty
+def test_fused_merge_matches_reference(lengths, dtype, n_splits, monkeypatch):
+    """One launch: the last split program of each (sequence, kv head) merges, and leaves its
+    counter at 0."""
+    monkeypatch.setattr("kernels.paged_attention.TILE", 4)  # several tiles per split
+    q, keys, values, tables, lens = _case(lengths, n_heads=6, dtype=dtype, seed=len(lengths))
+    counters = torch.zeros(len(lengths) * 2 + 1, dtype=torch.int32)  # spare element stays 0
+    out = paged_decode_attention(
+        q, keys, values, tables, lens, 4, n_splits=n_splits, fused_merge=True, counters=counters
+    )
+    expected = _reference(q, keys, values, tables, lens, 4)
+    assert torch.isfinite(out.float()).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - expected).abs().max().item() < tol
+    assert not counters.any()
+
+
+def test_fused_merge_replays_with_the_same_counters():
+    """Two calls through one counter buffer (what a CUDA-graph replay does) give one result,
+    the same as the two-launch path's."""
+    q, keys, values, tables, lens = _case([21, 2, 14], n_heads=8, seed=7)
+    counters = torch.zeros(3 * 2, dtype=torch.int32)
+    args = (q, keys, values, tables, lens, 4)
+    first = paged_decode_attention(*args, n_splits=4, fused_merge=True, counters=counters)
+    again = paged_decode_attention(*args, n_splits=4, fused_merge=True, counters=counters)
+    assert torch.equal(first, again)
+    assert not counters.any()
+    two_launches = paged_decode_attention(*args, n_splits=4)
+    assert (first - two_launches).abs().max().item() < 1e-6
+    assert (first - _reference(*args)).abs().max().item() < 1e-5
+
+
+def test_fused_merge_merges_once_per_head(monkeypatch):
+    """Only the last split program of a (sequence, kv head) merges (the interpreter runs the
+    programs one after another, so a merge by an earlier one would be overwritten unseen)."""
+    import kernels.paged_attention as pa
+
+    merges = []
+    merge = pa._merge_splits
+
+    def counted(*args):
+        merges.append(args)
+        return merge(*args)
+
+    monkeypatch.setattr(pa, "_merge_splits", counted)
+    q, keys, values, tables, lens = _case([21, 2, 14], n_heads=8, seed=7)
+    paged_decode_attention(q, keys, values, tables, lens, 4, n_splits=4, fused_merge=True)
+    assert len(merges) == 3 * 8
+
+
+def test_fused_merge_allocates_counters_when_none():
+    q, keys, values, tables, lens = _case([9, 30], seed=11)
+    out = paged_decode_attention(q, keys, values, tables, lens, 4, n_splits=3, fused_merge=True)
+    assert (out - _reference(q, keys, values, tables, lens, 4)).abs().max().item() < 1e-5
+
+
+def test_fused_merge_rejects_a_short_counter_buffer():
+    q, keys, values, tables, lens = _case([9, 30], seed=11)
+    with pytest.raises(ValueError, match="counters"):
+        paged_decode_attention(
+            q,
+            keys,
+            values,
+            tables,
+            lens,
+            4,
+            n_splits=3,
+            fused_merge=True,
+            counters=torch.zeros(3, dtype=torch.int32),
+        )
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_fp8_storage_with_scales_fused(n_splits, fused_merge):
+    q, keys, values, tables, lens = _case([13, 6, 1], n_heads=6, seed=5)
+    k_scale = keys.abs().amax(-1) / 448.0
+    v_scale = values.abs().amax(-1) / 448.0
+    k8 = (keys / k_scale[..., None]).to(torch.float8_e4m3fn)
+    v8 = (values / v_scale[..., None]).to(torch.float8_e4m3fn)
+    counters = torch.zeros(3 * 2, dtype=torch.int32)
+    out = paged_decode_attention(
+        q.to(torch.bfloat16),
+        k8,
+        v8,
+        tables,
+        lens,
+        4,
+        k_scale,
+        v_scale,
+        n_splits=n_splits,
+        fused_merge=fused_merge,
+        counters=counters,
+    ).float()
+    expected = _reference(q, k8.float(), v8.float(), tables, lens, 4, k_scale, v_scale)
+    assert (out - expected).abs().max().item() < 2e-2  # bf16 operands
+    assert not counters.any()
