@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import fused_moe, gemv, warp_decode
+from kernels import fused_moe, fused_ops, gemv, warp_decode
 from kernels.quant import FP8_BLOCKS, INT4_GROUPS, PLAIN
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -30,8 +30,10 @@ FORMAT_CONSTS = {
 }
 
 
-def compile_for_hopper(kernel, pointers: dict, constants: dict, **options):
-    """PTX of `kernel` with these pointer element types and constexprs; other args are i32."""
+def compile_for_hopper(kernel, pointers: dict, constants: dict, scalars=None, **options):
+    """PTX of `kernel` with these pointer element types, constexprs and scalar types (`scalars`,
+    e.g. an fp32 eps); other args are i32."""
+    scalars = scalars or {}
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -39,7 +41,7 @@ def compile_for_hopper(kernel, pointers: dict, constants: dict, **options):
         elif name in pointers:
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "i32"
+            signature[name] = scalars.get(name, "i32")
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, aligned), target=HOPPER, options=options
@@ -63,6 +65,9 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("compiled") == 3 * len(FORMATS), run.stdout
+    assert "norm_route: built" in run.stdout, run.stdout
+    assert "qk norm rope store: built" in run.stdout, run.stdout
+    assert "paged attention fused merge: built" in run.stdout, run.stdout
 
 
 def warp_decode_compiles(fmt):
@@ -82,9 +87,11 @@ def warp_decode_compiles(fmt):
                 DOWN_LINES=0,
                 LINE_ELEMS=64,
                 EVICT="",
+                PDL=True,
                 **FORMAT_CONSTS[fmt],
             ),
             num_warps=4,
+            launch_pdl=True,
         )
         down = compile_for_hopper(
             warp_decode._down_kernel,
@@ -106,7 +113,7 @@ def warp_decode_compiles(fmt):
             num_warps=4,
             launch_pdl=True,
         )
-        assert "griddepcontrol" in down and gate_up
+        assert "griddepcontrol" in down and "griddepcontrol" in gate_up
 
 
 def expert_centric_compiles(fmt):
@@ -124,18 +131,105 @@ def expert_centric_compiles(fmt):
 
 
 def skinny_gemv_compiles(fmt):
+    """The plain GEMV, and the one with the residual add + RMSNorm prologue in a PDL chain."""
     w, s = STORED[fmt]
-    consts = dict(
-        HAS_BIAS=False, BLOCK_N=16, BLOCK_K=128, ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt
-    )
-    consts.update(FORMAT_CONSTS[fmt])
-    assert compile_for_hopper(
-        gemv._skinny_kernel,
-        dict(x_ptr="bf16", w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16"),
-        consts,
-        num_warps=4,
-        num_stages=3,
-    )
+    pointers = dict(x_ptr="bf16", delta_ptr="bf16", nw_ptr="bf16", sum_ptr="bf16")
+    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16")
+    for norm, pdl in ((False, False), (True, True)):
+        consts = dict(HAS_BIAS=False, NORM=norm, HAS_DELTA=norm, BLOCK_N=16, BLOCK_K=128)
+        consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl)
+        consts.update(FORMAT_CONSTS[fmt])
+        ptx = compile_for_hopper(
+            gemv._skinny_kernel,
+            pointers,
+            consts,
+            scalars=dict(eps="fp32"),
+            num_warps=4,
+            num_stages=3,
+            launch_pdl=pdl,
+        )
+        assert ("griddepcontrol" in ptx) == pdl
+
+
+def qk_norm_rope_store_compiles():
+    """The decode step's q/k RMSNorm + RoPE + KV store in a PDL chain (an fp8 pool gets its k/v
+    through a bf16 scratch, so the destinations are bf16 in the step; fp8 must compile too)."""
+    for kv in ("bf16", "fp8e4nv"):
+        pointers = dict(qkv_ptr="bf16", qw_ptr="bf16", kw_ptr="bf16", cos_ptr="fp32")
+        pointers.update(sin_ptr="fp32", q_out_ptr="bf16", k_dst_ptr=kv, v_dst_ptr=kv)
+        pointers.update(slots_ptr="i64")
+        ptx = compile_for_hopper(
+            fused_ops._qk_norm_rope_store_kernel,
+            pointers,
+            dict(HEAD_DIM=128, HALF=64, PDL=True),
+            scalars=dict(eps="fp32"),
+            num_warps=1,
+            launch_pdl=True,
+        )
+        assert "griddepcontrol" in ptx
+
+
+def paged_attention_fused_merge_compiles():
+    """The one-launch split kernel (the last split program of a (sequence, kv head) merges),
+    with bf16 and fp8 storage, in a PDL chain."""
+    from kernels import paged_attention
+
+    for kv, fp8 in (("bf16", False), ("fp8e4nv", True)):
+        ptx = compile_for_hopper(
+            paged_attention._split_kernel,
+            dict(
+                q_ptr="bf16",
+                k_ptr=kv,
+                v_ptr=kv,
+                ks_ptr="fp32",
+                vs_ptr="fp32",
+                table_ptr="i32",
+                lens_ptr="i32",
+                m_ptr="fp32",
+                l_ptr="fp32",
+                acc_ptr="fp32",
+                out_ptr="bf16",
+                counters_ptr="i32",
+            ),
+            dict(
+                GROUP=8,
+                GROUP_PAD=16,
+                HEAD_DIM=128,
+                D_PAD=128,
+                SPLIT_PAD=16,
+                BLOCK_SIZE=16,
+                TILE=64,
+                FP8=fp8,
+                FUSED_MERGE=True,
+                DIRECT=False,
+                PDL=True,
+                INTERPRET=False,
+            ),
+            num_warps=4,
+            launch_pdl=True,
+        )
+        assert "griddepcontrol" in ptx and "atom" in ptx and "mma" in ptx
+
+
+def norm_route_compiles():
+    """The decode step's fused router (kernels.router.norm_route): bf16, in a PDL chain."""
+    from kernels.router import _norm_route_kernel as kernel
+
+    pointers = dict(x_ptr="bf16", delta_ptr="bf16", norm_w_ptr="bf16", router_ptr="bf16")
+    pointers.update(sum_ptr="bf16", h_ptr="bf16", logits_ptr="fp32", counters_ptr="i32")
+    pointers.update(ids_ptr="i64", weights_ptr="fp32")
+    consts = dict(HAS_DELTA=True, BLOCK_H=2048, BLOCK_E=8, TOP_K=8, K_PAD=8, E_PAD=128)
+    consts.update(RENORMALIZE=True, PDL=True)
+    scalars = dict(hidden="i32", n_experts="i32", eps="fp32")
+    signature = {n: "constexpr" if n in consts else scalars.get(n) for n in kernel.arg_names}
+    signature.update({n: "*" + ty for n, ty in pointers.items()})
+    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    ptx = triton.compile(
+        ASTSource(kernel, signature, consts, aligned),
+        target=HOPPER,
+        options=dict(num_warps=8, launch_pdl=True),
+    ).asm["ptx"]
+    assert "griddepcontrol" in ptx and "atom" in ptx
 
 
 def main() -> int:
@@ -146,6 +240,12 @@ def main() -> int:
         for fmt in FORMATS:
             check(fmt)
             print(f"{check.__name__.removesuffix('_compiles')} format {fmt}: compiled", flush=True)
+    norm_route_compiles()
+    print("norm_route: built", flush=True)
+    qk_norm_rope_store_compiles()
+    print("qk norm rope store: built", flush=True)
+    paged_attention_fused_merge_compiles()
+    print("paged attention fused merge: built", flush=True)
     return 0
 
 
