@@ -28,8 +28,9 @@ import torch
 
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.random_model import SHAPES, random_model
-from engine.model.cuda_graph import DecodeGraphs, StepKernels
+from engine.model.cuda_graph import DecodeGraphs
 from engine.model.qwen3_moe import weight_bytes
+from engine.model.step_kernels import ATTENTION_MERGE, FUSIONS, NORM_QKV, ROUTER, StepKernels
 
 
 def expected_experts(batch: int, experts: int, top_k: int) -> float:
@@ -147,32 +148,51 @@ def fill_pool(pool: KVPool, seed: int = 0) -> None:
             )
 
 
+UNFUSED = StepKernels(fusions=frozenset())
+# Fusions added one at a time (engine.model.step_kernels), each row timed in its own graph.
+FUSION_STEPS = (
+    (),
+    (NORM_QKV,),
+    (NORM_QKV, ROUTER),
+    (NORM_QKV, ROUTER, ATTENTION_MERGE),
+    FUSIONS,
+)
+
+
 def step_variants(cfg, batch: int, context: int):
     """(name, the step's kernels) to time against the default."""
-    from functools import partial
-
-    from kernels.gemv import MAX_ROWS, skinny_linear
     from kernels.paged_attention import default_splits
 
     auto = default_splits(batch, cfg.num_kv_heads, context + 16)
-    yield f"default (cuBLAS, {auto} splits)", StepKernels()
+    for names in FUSION_STEPS:
+        label = "+".join(names) if names else "unfused"
+        yield f"{label} ({auto} splits)", StepKernels(fusions=frozenset(names))
     for splits in (8, 16, 32):
         if splits != auto:
-            yield f"attention {splits} splits", StepKernels(n_splits=splits)
-    if batch <= MAX_ROWS:
-        for block_n, block_k, warps in (
-            (16, 256, 4),
-            (32, 256, 4),
-            (16, 512, 4),
-            (32, 128, 4),
-            (64, 128, 8),
-        ):
-            yield (
-                f"skinny linear n{block_n} k{block_k} w{warps}",
-                StepKernels(
-                    linear=partial(skinny_linear, block_n=block_n, block_k=block_k, num_warps=warps)
-                ),
-            )
+            yield f"all fusions, attention {splits} splits", StepKernels(n_splits=splits)
+
+
+def fused_against_unfused(model, pool, graph_tokens, batch, context, bench, log) -> dict:
+    """The fused step's logits against the unfused step's on the same inputs, and the fused
+    graph replayed many times on one input: kernels that finish in their last program (the
+    router, the attention merge) must give the same bits on every replay."""
+    tokens = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
+    tables = bench.tables(batch, context)
+    logits = {}
+    for name, kernels in (("unfused", UNFUSED), ("fused", StepKernels())):
+        graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
+        runs = [graphs.run(tokens, [context] * batch, tables)[0].clone() for _ in range(20)]
+        logits[name] = runs
+        del graphs
+    fused, unfused = logits["fused"][0], logits["unfused"][0]
+    stable = all(torch.equal(r, fused) for r in logits["fused"])
+    rel = float((fused - unfused).norm() / unfused.norm())
+    same = int((fused.argmax(-1) == unfused.argmax(-1)).sum())
+    log(
+        f"  fused vs unfused step, B={batch}: logits relative difference {rel:.2e}, argmax "
+        f"same in {same}/{batch} rows; 20 replays identical: {stable}"
+    )
+    return dict(batch=batch, rel=rel, argmax_same=same, replays_identical=stable)
 
 
 def zero_moe(x, w_gate_up, w_down, topk_ids, topk_weights):
@@ -268,12 +288,17 @@ def main(argv=None) -> int:
         "fraction of the floor"
     )
     decode = []
-    for moe_name, moe_fn in (("warp", None), ("expert_centric", expert_centric_moe)):
+    paths = (
+        ("warp", None, StepKernels()),
+        ("warp unfused", None, UNFUSED),
+        ("expert_centric", expert_centric_moe, StepKernels()),
+    )
+    for moe_name, moe_fn, kernels in paths:
         path_model = model.with_options(moe_fn=moe_fn)
         for batch in batches:
-            graphs = DecodeGraphs(path_model, pool, graph_tokens, buckets=(batch,))
+            graphs = DecodeGraphs(path_model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
             for context in contexts:
-                if moe_name != "warp" and context != split_context:
+                if moe_name == "expert_centric" and context != split_context:
                     continue  # the comparison of MoE paths at one context is enough
                 seconds = bench.step_time(graphs, batch, context)
                 parts = step_bytes(cfg, batch, context, args.quant)
@@ -298,7 +323,7 @@ def main(argv=None) -> int:
                     else ""
                 )
                 log(
-                    f"  {moe_name:>14} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
+                    f"  {moe_name:>15} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
                     f"{row['tok_s']:8.1f} tok/s  {floor}"
                 )
             del graphs
@@ -340,6 +365,10 @@ def main(argv=None) -> int:
             log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
             del graphs
     results["step_variants_ms"] = variants
+    results["fused_vs_unfused"] = [
+        fused_against_unfused(model, pool, graph_tokens, batch, split_context, bench, log)
+        for batch in sorted({split_batch, *batches})
+    ]
     save()
 
     graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)

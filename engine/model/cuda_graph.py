@@ -2,12 +2,14 @@
 
 At small batch a decode step is bound by kernel launches, not by the bytes it reads: the
 eager forward launches ~50 kernels per layer from Python. `DecodeStep` runs the same model
-with ten per layer (fused add+RMSNorm, the qkv GEMM, fused q/k norm + RoPE + KV store, paged
-attention's two kernels, the o GEMM, add+RMSNorm, the router, warp decode's two kernels) over
-static input buffers, so one CUDA graph per bucket of rows can replay a whole step with no
-Python in between. The captured step and the eager one are the same code (`DecodeStep.__call__`):
-the CUDA backend's decoder layer, over the model's `LayerWeights` and with the general layer's
-`mlp` (engine.model.layer), whose MoE path the model's options choose.
+with seven per layer (the q/k/v projection with the residual add and RMSNorm before it, q/k
+norm + RoPE + KV store, paged attention, the o projection, add + RMSNorm + router + top-k, warp
+decode's two kernels), linked by programmatic dependent launch, over static input buffers, so
+one CUDA graph per bucket of rows can replay a whole step with no Python in between. Each
+fusion can be switched off (engine.model.step_kernels), which gives the eleven separate
+kernels of before. The captured step and the eager one are the same code
+(`DecodeStep.__call__`): the CUDA backend's decoder layer, over the model's `LayerWeights` and
+with the general layer's `mlp` (engine.model.layer), whose MoE path the model's options choose.
 
 A row is one query token with its own block table and length. Rows are a batch of decode
 steps, or several new tokens of one sequence (each row ends at its own position, so the
@@ -16,9 +18,7 @@ attention stays causal): a warm prompt's last few tokens run through the same gr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,24 +26,15 @@ import torch.nn.functional as F
 from engine.kv.pool import KVPool
 from engine.model.layer import mlp
 from engine.model.qwen3_moe import Qwen3MoeModel
+from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels, StepOps
 from kernels import reference as ref
 from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
-from kernels.paged_attention import default_splits, paged_decode_attention
+from kernels.paged_attention import default_splits
 from kernels.quant_linear import linear
 
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # 3: a warm prompt's usual tail (typed text + FIM token)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepKernels:
-    """The kernels a decode step launches. The defaults are the engine's; benchmarks pass others
-    (to time a stage without its kernel, or to compare kernels) when they build the step."""
-
-    attention: Callable = paged_decode_attention  # paged_decode_attention's signature
-    linear: Callable = linear  # the q/k/v and o projections (kernels.quant_linear)
-    n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
 
 
 class DecodeStep:
@@ -56,7 +47,7 @@ class DecodeStep:
         rows: int,
         max_blocks: int,
         vocab_limit: int | None = None,
-        kernels: StepKernels = StepKernels(),
+        kernels: StepKernels = DEFAULT_KERNELS,
     ):
         cfg = model.config
         device = model.device
@@ -75,7 +66,7 @@ class DecodeStep:
             self.k_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.v_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.scratch_slots = torch.arange(rows, device=device)
-        self.attention, self.linear = kernels.attention, kernels.linear
+        self.ops = StepOps(kernels, rows, cfg.num_kv_heads, cfg.rms_norm_eps, device)
         self.logits: torch.Tensor | None = None  # [rows, V] fp32, written by each call
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits
 
@@ -114,20 +105,17 @@ class DecodeStep:
 
     @torch.inference_mode()
     def __call__(self) -> None:
-        model, pool, cfg = self.model, self.pool, self.model.config
-        eps = cfg.rms_norm_eps
-        x = F.embedding(self.tokens, model.embed)  # [rows, H]
+        model, pool, cfg, ops = self.model, self.pool, self.model.config, self.ops
+        x = F.embedding(self.tokens, model.embed)  # [rows, H]: the residual stream
         cos, sin = ref.rope_cos_sin(self.positions, model.inv_freq, model.dtype)  # [rows, D]
-        delta = None
+        delta = None  # the last sublayer's output, not yet added to x
         for index, layer in enumerate(model.layers):
-            x, h = add_rms_norm(x, delta, layer.input_norm, eps)
-            q = self._q_and_store_kv(
-                index, layer, self.linear(h, layer.w_qkv, layer.b_qkv), cos, sin
-            )
+            x, qkv = ops.norm_linear(x, delta, layer.input_norm, layer.w_qkv, layer.b_qkv)
+            q = self._q_and_store_kv(index, layer, qkv, cos, sin)
             scales = (
                 (pool.key_scales[index], pool.value_scales[index]) if pool.fp8 else (None, None)
             )
-            attn = self.attention(
+            attn = ops.attention(
                 q,
                 pool.keys[index],
                 pool.values[index],
@@ -137,10 +125,17 @@ class DecodeStep:
                 *scales,
                 n_splits=self.n_splits,
             )
-            delta = self.linear(attn.reshape(self.rows, -1), layer.w_o, layer.b_o)
-            x, h = add_rms_norm(x, delta, layer.post_attention_norm, eps)
-            delta = mlp(h, layer, cfg, model.options)
-        _, h = add_rms_norm(x, delta, model.final_norm, eps)
+            delta = ops.linear(attn.reshape(self.rows, -1), layer.w_o, layer.b_o)
+            x, h, routing = ops.norm_route(
+                x,
+                delta,
+                layer.post_attention_norm,
+                layer.router,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+            )
+            delta = mlp(h, layer, cfg, model.options, routing, pdl=ops.pdl)
+        _, h = add_rms_norm(x, delta, model.final_norm, cfg.rms_norm_eps)
         logits = linear(h, model.lm_head).float()
         if self.vocab_limit is not None:
             logits[:, self.vocab_limit :] = float("-inf")  # ids the tokenizer can't decode
@@ -149,7 +144,7 @@ class DecodeStep:
 
     def _q_and_store_kv(self, index, layer, qkv, cos, sin) -> torch.Tensor:
         cfg, pool = self.model.config, self.pool
-        args = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+        args = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.ops.pdl)
         if not pool.fp8:
             return qk_norm_rope_store(
                 qkv,
@@ -192,7 +187,7 @@ class DecodeGraphs:
         vocab_limit: int | None = None,
         buckets=ROW_BUCKETS,
         capture: bool = True,
-        kernels: StepKernels = StepKernels(),
+        kernels: StepKernels = DEFAULT_KERNELS,
     ):
         max_blocks = -(-max_tokens // pool.block_size)
         self.steps = {

@@ -9,6 +9,7 @@ which shares `mlp` with this one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +84,29 @@ def attention(h, layer: LayerWeights, index, positions, cos, sin, cache: ModelCa
 
 
 def mlp(
-    x: torch.Tensor, layer: LayerWeights, cfg: ModelConfig, options: ModelOptions
+    x: torch.Tensor,
+    layer: LayerWeights,
+    cfg: ModelConfig,
+    options: ModelOptions,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """The layer's dense MLP or MoE (router, then the chosen path) on normed x [N, H]."""
+    """The layer's dense MLP or MoE (router, then the chosen path) on normed x [N, H].
+
+    `routing` (topk_ids, topk_weights): the router already ran (the decode step fuses it with
+    the norm). `pdl`: x comes from a PDL chain of Triton kernels (kernels.pdl) that warp decode
+    joins."""
     if layer.router is None:
         return ref.dense_mlp(x, layer.w_gate_up, layer.w_down, linear)
-    route = dispatch.route if x.is_cuda else ref.route  # fused Triton router on CUDA
-    topk_ids, topk_weights = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if routing is None:
+        route = dispatch.route if x.is_cuda else ref.route  # fused Triton router on CUDA
+        routing = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    topk_ids, topk_weights = routing
     moe = options.moe_fn
     if moe is None:
         moe = moe_path(options.moe_path, x.shape[0] * cfg.num_experts_per_tok, x)
+        if pdl and moe is dispatch.moe:
+            moe = functools.partial(dispatch.moe, pdl=True)
     w_gate_up, w_down = layer.w_gate_up, layer.w_down
     if not x.is_cuda:  # the CPU's torch paths multiply plain tensors
         w_gate_up, w_down = dequantize(w_gate_up, x.dtype), dequantize(w_down, x.dtype)

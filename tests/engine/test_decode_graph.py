@@ -13,7 +13,8 @@ from engine.core.request import Request
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
-from engine.model.cuda_graph import DecodeGraphs, DecodeStep, StepKernels
+from engine.model.cuda_graph import DecodeGraphs, DecodeStep
+from engine.model.step_kernels import FUSIONS, StepKernels
 
 BLOCK = 4
 
@@ -153,6 +154,33 @@ def test_kernels_chosen_at_construction_are_the_ones_the_step_runs(tiny):
     results = [graphs.run(tokens[8:], [8], [table])[0].clone() for graphs in (default, other)]
     assert len(calls) == 2 * model.config.num_layers  # the q/k/v and o projections of each layer
     assert _max_rel(results[1], results[0]) < 1e-5
+
+
+@pytest.mark.parametrize("fusions", [(), *((name,) for name in FUSIONS)], ids=str)
+def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
+    """The step with one fusion (or none) against the step with all of them, two rows at
+    different lengths; the counters the fused kernels finish with are back at zero."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (6, 11)]
+    tables = [[3, 8], [1, 12, 5]]
+    pool = _pool(model)
+    for table, prompt in zip(tables, prompts):
+        _prefill(model, pool, table, prompt[:-1])
+    logits = []
+    for kernels in (StepKernels(), StepKernels(fusions=frozenset(fusions))):
+        step = DecodeStep(model, _clone(pool), rows=2, max_blocks=4, kernels=kernels)
+        step.load([p[-1] for p in prompts], [len(p) - 1 for p in prompts], tables)
+        step()
+        logits.append(step.logits.clone())
+        assert not step.ops.router_counters.any() and not step.ops.attention_counters.any()
+    assert _max_rel(logits[1], logits[0]) < 1e-5
+
+
+def test_unknown_fusion_is_refused():
+    with pytest.raises(ValueError, match="unknown fusions"):
+        StepKernels(fusions=frozenset({"everything"}))
 
 
 def test_vocab_limit_masks_padded_ids(tiny):

@@ -1,0 +1,135 @@
+"""Which kernels the CUDA decode step launches: `StepKernels` (chosen when the step is built) and
+`StepOps` (the step's operations over them, one method per fusable stage).
+
+A decode step at small batch is bound by kernel launches, not bytes. Each fusion removes
+launches from every layer, and each can be switched off, so a benchmark times the step with and
+without it in one run (`engine.bench.decode --fusions`):
+
+- "norm_qkv": the residual add and RMSNorm before attention run inside the q/k/v projection
+  (kernels.gemv.norm_linear), which recomputes the norm in each program;
+- "router": the add and RMSNorm before the MoE, the router's matmul and its softmax/top-k in one
+  launch (kernels.router.norm_route);
+- "attention_merge": the last split of each head merges the splits (kernels.paged_attention);
+- "pdl": every Triton kernel of the step is a link of a programmatic-dependent-launch chain
+  (kernels.pdl), so each starts, and loads its first weights, while the previous one drains;
+  the q/k/v and o projections then run as Triton GEMVs, which can be links.
+
+Without a fusion the step runs the separate kernels, which compute the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from kernels.fused_ops import add_rms_norm
+from kernels.paged_attention import paged_decode_attention
+from kernels.quant_linear import linear
+
+NORM_QKV = "norm_qkv"
+ROUTER = "router"
+ATTENTION_MERGE = "attention_merge"
+PDL = "pdl"
+FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, PDL)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKernels:
+    """The kernels a decode step launches. The defaults are the engine's; benchmarks pass others
+    (to time a stage without its kernel, or to compare kernels) when they build the step."""
+
+    attention: Callable = paged_decode_attention  # paged_decode_attention's signature
+    # The o projection (and q/k/v without "norm_qkv"); None: kernels.quant_linear.linear, or
+    # the Triton GEMV when the step is a PDL chain.
+    linear: Callable | None = None
+    n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
+    fusions: frozenset[str] = frozenset(FUSIONS)
+
+    def __post_init__(self):
+        unknown = set(self.fusions) - set(FUSIONS)
+        if unknown:
+            raise ValueError(f"unknown fusions {sorted(unknown)}; known: {FUSIONS}")
+
+
+DEFAULT_KERNELS = StepKernels()
+
+
+class StepOps:
+    """The fusable stages of a decode step of `rows` rows on `device`, as `kernels` chose them.
+
+    Fusions that need CUDA-sized kernels (GEMV rows, a plain tensor input) fall back to the
+    separate kernels where they don't apply, so every step computes the same values."""
+
+    def __init__(self, kernels: StepKernels, rows: int, n_kv_heads: int, eps: float, device):
+        from kernels.gemv import MAX_ROWS
+
+        fusions = kernels.fusions
+        self.eps = eps
+        self.attention_fn = kernels.attention
+        self.pdl = PDL in fusions and torch.device(device).type == "cuda"
+        gemv_rows = rows <= MAX_ROWS
+        self.norm_qkv = NORM_QKV in fusions and gemv_rows and kernels.linear is None
+        self.router = ROUTER in fusions
+        self.attention_merge = (
+            ATTENTION_MERGE in fusions and kernels.attention is paged_decode_attention
+        )
+        if kernels.linear is not None:
+            self.linear = kernels.linear
+        elif self.pdl and gemv_rows:
+            self.linear = self._chained_gemv
+        else:
+            self.linear = linear
+        # Counters of the kernels that finish in their last program: zero between launches
+        # (each launch resets what it used), so one buffer serves every layer and every replay.
+        self.router_counters = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.attention_counters = torch.zeros(rows * n_kv_heads, dtype=torch.int32, device=device)
+
+    def _chained_gemv(self, x, w, bias=None):
+        from kernels.gemv import skinny_linear
+
+        return skinny_linear(x, w, bias, pdl=True)
+
+    def norm_linear(self, x, delta, norm_weight, w, bias):
+        """(s, linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta."""
+        if self.norm_qkv:
+            from kernels.gemv import norm_linear
+
+            return norm_linear(x, delta, norm_weight, self.eps, w, bias, pdl=self.pdl)
+        x, h = add_rms_norm(x, delta, norm_weight, self.eps)
+        return x, self.linear(h, w, bias)
+
+    def norm_route(self, x, delta, norm_weight, router, top_k: int, norm_topk_prob: bool):
+        """(s, h = rms_norm(s) * norm_weight, routing) with s = x + delta; routing is
+        (topk_ids, topk_weights) when the router ran here, else None (dense layers, or the
+        MoE routes h itself)."""
+        if self.router and router is not None:
+            from kernels.router import norm_route
+
+            s, h, ids, weights = norm_route(
+                x,
+                delta,
+                norm_weight,
+                self.eps,
+                router,
+                top_k,
+                norm_topk_prob,
+                counters=self.router_counters,
+                pdl=self.pdl,
+            )
+            return s, h, (ids, weights)
+        x, h = add_rms_norm(x, delta, norm_weight, self.eps)
+        return x, h, None
+
+    def attention(self, *args, n_splits: int):
+        """The step's paged decode attention (paged_decode_attention's arguments)."""
+        if not self.attention_merge:
+            return self.attention_fn(*args, n_splits=n_splits)
+        return self.attention_fn(
+            *args,
+            n_splits=n_splits,
+            fused_merge=True,
+            counters=self.attention_counters,
+            pdl=self.pdl,
+        )
