@@ -210,20 +210,20 @@ FIT_MEMORY_HELP = (
 )
 
 CPU_DECODE_WEIGHTS_HELP = (
-    "weights of the CPU's one-sequence decode step: int8 (the default on x86-64) streams a "
-    "quarter of fp32's bytes, so steps are faster, at int8/bf16 rounding; fp32 computes as "
-    "prefill does"
+    "weights of the CPU's one-sequence decode step: fp32 (the default) computes as prefill does, "
+    "the model's own greedy answers; int8 streams a quarter of the bytes, so steps are faster, "
+    "but its rounding changes some completions"
 )
 
 
-def model_options(device, moe_path: str | None, cpu_decode_weights: str | None):
+def model_options(device, moe_path: str | None, cpu_decode_weights: str = "fp32"):
     """The model's options (engine.model.options) from the command line.
 
     `moe_path`: None or `auto` is the model's own choice (on CUDA the Triton dispatcher: warp
     decode for a few tokens, expert-centric for many); an explicit path is forced for every MoE
     layer: the torch reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp
     decode there). `cpu_decode_weights`: the weights the lean CPU decode step streams
-    (engine.model.lean_matrices), None the platform's default; int8 needs torch's int8 product."""
+    (engine.model.lean_matrices); int8 needs torch's int8 product."""
     import logging
     from functools import partial
 
@@ -587,7 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help=DEVICE_HELP)
     gen.add_argument("--gpu-memory-gb", type=float, help=GPU_MEMORY_HELP)
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
-    gen.add_argument("--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP)
+    gen.add_argument(
+        "--cpu-decode-weights",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help=CPU_DECODE_WEIGHTS_HELP,
+    )
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
@@ -647,7 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode one token per step, no prompt-lookup drafts (for comparisons)",
     )
     serve.add_argument(
-        "--cpu-decode-weights", choices=("int8", "fp32"), help=CPU_DECODE_WEIGHTS_HELP
+        "--cpu-decode-weights",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help=CPU_DECODE_WEIGHTS_HELP,
     )
     serve.add_argument(
         "--prefill-chunk",

@@ -34,7 +34,10 @@ def test_shipped_files_are_complete_and_small():
         "loss.png",
     ):
         assert (MODEL_DIR / name).is_file(), name
-    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 48_000_000
+    # The cap on the shipped weights: 128 MB, any shard under 100 MB.
+    shards = list(MODEL_DIR.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in shards) <= 128 * 2**20
+    assert all(f.stat().st_size < 100 * 2**20 for f in shards)
     config = json.loads((MODEL_DIR / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["vocab_size"] <= 16384
 
@@ -111,6 +114,48 @@ def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
                 pad_token_id=0,
             )
         assert stats.token_ids == out[0, len(ids) :].tolist()
+
+
+# FIM tasks as `wd-engine generate --fim-prefix ... --fim-suffix ... --stop '\n'` runs them, among
+# them ones where int8 decode weights once changed the shipped model's answer (`def add(a, b):`
+# completed `= a.is_nonnegative` instead of `a + b`).
+PINNED_FIM = [
+    ("def add(a, b):\n    return ", "\n"),
+    ("def fib(n):\n    if n < 2:\n        return n\n    return ", "\n"),
+    ("def square(x):\n    return x ", "\n"),
+    ("def mean(xs):\n    return sum(xs) / ", "\n"),
+    ("import os\n\ndef read_file(path):\n    with open(path) as f:\n        return ", "\n"),
+    ("function add(a, b) {\n  return ", "\n}\n"),
+]
+
+
+@needs_engine
+def test_default_decode_gives_the_models_own_greedy_answers():
+    """The CPU's default decode step (the lean path, with speculation, as `generate` and the
+    daemon run it) completes each pinned task as the general path, prefill's arithmetic, does."""
+    from engine.core.engine import Engine
+    from engine.core.request import Request
+    from engine.loading.loader import load_model
+    from engine.loading.tokenizer import Tokenizer
+    from engine.model.options import ModelOptions
+    from engine.prompts.fim import build_fim_prompt, healed_text
+
+    tok = Tokenizer.from_dir(MODEL_DIR)
+    default = load_model(MODEL_DIR)
+    general = load_model(MODEL_DIR, options=ModelOptions(lean_decode=False))
+    assert default.lean_path_applies() and not general.lean_path_applies()
+    answers = []
+    for prefix, suffix in PINNED_FIM:
+        prompt = build_fim_prompt(tok, prefix, suffix, "spm", heal=True)
+        texts = []
+        for model in (default, general):
+            req = Request(
+                list(prompt), max_tokens=24, stop=("\n",), forced_text=healed_text(tok, prefix)
+            )
+            texts.append(Engine.for_one_request(model, tok, req).complete(req).check().text)
+        assert texts[0] == texts[1], (prefix, texts)
+        answers.append(texts[0])
+    assert sum(map(bool, answers)) >= len(PINNED_FIM) // 2, answers  # not a vacuous comparison
 
 
 def test_transformers_loads_and_predicts_code(hf_model):

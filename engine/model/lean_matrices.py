@@ -8,7 +8,8 @@ one interface, products of rows x [n, in]:
   by torch's `_weight_int8pack_mm` with the activations in bf16 and fp32 sums inside. A decode step
   on a small CPU is bound by the bytes of weights it streams, and int8 moves a quarter of fp32's.
   The cost is rounding: a row's weights to 1/254 of its largest, the activations and results to
-  bf16 (relative 2^-9).
+  bf16 (relative 2^-9). That rounding changes some greedy completions of the shipped model (whose
+  FP8 blocks int8 rows cannot represent), so int8 is opt-in; fp32 is the default.
 
 An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
 is one scalar. Both are derived from the weights when built; weights changed later are not seen
@@ -18,7 +19,6 @@ is one scalar. Both are derived from the weights when built; weights changed lat
 from __future__ import annotations
 
 import functools
-import platform
 
 import torch
 
@@ -113,11 +113,3 @@ def int8_available() -> bool:
         return True
     except (AttributeError, RuntimeError):
         return False
-
-
-def default_form() -> str:
-    """int8 where it was measured to pay (x86-64, whose int8 kernel is vectorized) and this torch
-    has the op; fp32 elsewhere, until measured there."""
-    return (
-        "int8" if platform.machine().lower() in ("x86_64", "amd64") and int8_available() else "fp32"
-    )

@@ -30,9 +30,10 @@ class ModelOptions:
     moe_path: str = "auto"
     # False: the CPU's small-batch steps run the general path too (for comparisons).
     lean_decode: bool = True
-    # The lean CPU path's weights (engine.model.lean_matrices): "int8" or "fp32"; None takes this
-    # platform's default, which is what the field then holds.
-    lean_weights: str | None = None
+    # The lean CPU path's weights (engine.model.lean_matrices). fp32 by default: the model's own
+    # arithmetic, the same greedy answers as prefill's; "int8" streams a quarter of the bytes but
+    # rounds differently, which changes some greedy completions of the shipped model.
+    lean_weights: str = "fp32"
     # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
     # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.
     moe_fn: MoeFn | None = None
@@ -40,9 +41,7 @@ class ModelOptions:
     def __post_init__(self):
         if self.moe_path not in MOE_PATHS:
             raise ValueError(f"moe_path is one of {MOE_PATHS}, not {self.moe_path!r}")
-        if self.lean_weights is None:
-            object.__setattr__(self, "lean_weights", lean_matrices.default_form())
-        elif self.lean_weights not in lean_matrices.FORMS:
+        if self.lean_weights not in lean_matrices.FORMS:
             raise ValueError(
                 f"lean_weights is one of {lean_matrices.FORMS}, not {self.lean_weights!r}"
             )

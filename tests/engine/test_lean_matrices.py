@@ -10,7 +10,6 @@ from engine.model.lean_matrices import (
     INPUT_DTYPE,
     Fp32Matrix,
     Int8Matrix,
-    default_form,
     int8_available,
     matrix,
 )
@@ -151,13 +150,10 @@ def test_each_form_computes_with_its_own_weights():
     assert not torch.equal(logits["int8"][0], logits["fp32"][0])
 
 
-def test_int8_is_the_default_only_where_it_was_measured(monkeypatch):
-    import platform
-
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert default_form() == "int8"
+def test_fp32_is_the_default_form():
+    """The default lean step computes as prefill does; int8 is asked for."""
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32)
-    assert model.options.lean_weights == "int8"
-    for machine in ("arm64", "aarch64"):
-        monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
-        assert default_form() == "fp32"
+    assert model.options.lean_weights == "fp32"
+    assert ModelOptions(lean_weights="int8").lean_weights == "int8"
+    with pytest.raises(ValueError, match="lean_weights"):
+        ModelOptions(lean_weights="int4")
