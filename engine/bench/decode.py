@@ -282,6 +282,14 @@ def main(argv=None) -> int:
     bench = Bench(model, pool, Timer(args.device, args.replays), log)
     graph_tokens = max_context + 16
 
+    # -- the fused step against the unfused one first: timings of a wrong step mean nothing ------
+    log("\nfused step against the unfused step")
+    results["fused_vs_unfused"] = [
+        fused_against_unfused(model, pool, graph_tokens, batch, split_context, bench, log)
+        for batch in sorted({split_batch, *batches})
+    ]
+    save()
+
     # -- decode: the engine's step, warp decode and expert-centric ---------------------------------
     log(
         "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, "
@@ -365,10 +373,6 @@ def main(argv=None) -> int:
             log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
             del graphs
     results["step_variants_ms"] = variants
-    results["fused_vs_unfused"] = [
-        fused_against_unfused(model, pool, graph_tokens, batch, split_context, bench, log)
-        for batch in sorted({split_batch, *batches})
-    ]
     save()
 
     graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)
