@@ -3,7 +3,7 @@
 
 A decode step at small batch is bound by kernel launches, not bytes. Each fusion removes
 launches from every layer, and each can be switched off, so a benchmark times the step with and
-without it in one run (`engine.bench.decode --fusions`):
+without it in one run (`engine.bench.decode`: its step variants add one fusion at a time):
 
 - "norm_qkv": the residual add and RMSNorm before attention run inside the q/k/v projection
   (kernels.gemv.norm_linear), which recomputes the norm in each program;
