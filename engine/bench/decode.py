@@ -18,6 +18,7 @@ random keys/values for every sequence, and measures in one run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -149,6 +150,7 @@ def fill_pool(pool: KVPool, seed: int = 0) -> None:
 
 
 UNFUSED = StepKernels(fusions=frozenset())
+ALL_FUSED = StepKernels(fusions=frozenset(FUSIONS))
 # Fusions added one at a time (engine.model.step_kernels), each row timed in its own graph.
 FUSION_STEPS = (
     (),
@@ -169,7 +171,10 @@ def step_variants(cfg, batch: int, context: int):
         yield f"{label} ({auto} splits)", StepKernels(fusions=frozenset(names))
     for splits in (8, 16, 32):
         if splits != auto:
-            yield f"all fusions, attention {splits} splits", StepKernels(n_splits=splits)
+            yield (
+                f"all fusions, attention {splits} splits",
+                StepKernels(n_splits=splits, fusions=frozenset(FUSIONS)),
+            )
 
 
 def fused_against_unfused(model, pool, graph_tokens, batch, context, bench, log) -> dict:
@@ -179,7 +184,7 @@ def fused_against_unfused(model, pool, graph_tokens, batch, context, bench, log)
     tokens = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
     tables = bench.tables(batch, context)
     logits = {}
-    for name, kernels in (("unfused", UNFUSED), ("fused", StepKernels())):
+    for name, kernels in (("unfused", UNFUSED), ("fused", ALL_FUSED)):
         graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
         runs = [graphs.run(tokens, [context] * batch, tables)[0].clone() for _ in range(20)]
         logits[name] = runs
@@ -297,9 +302,9 @@ def main(argv=None) -> int:
     )
     decode = []
     paths = (
-        ("warp", None, StepKernels()),
+        ("warp", None, ALL_FUSED),
         ("warp unfused", None, UNFUSED),
-        ("expert_centric", expert_centric_moe, StepKernels()),
+        ("expert_centric", expert_centric_moe, ALL_FUSED),
     )
     for moe_name, moe_fn, kernels in paths:
         path_model = model.with_options(moe_fn=moe_fn)
@@ -351,7 +356,7 @@ def main(argv=None) -> int:
         ("neither", zero_moe, skip_attention),
     ):
         stage_model = model.with_options(moe_fn=moe_fn)
-        kernels = StepKernels() if attention is None else StepKernels(attention=attention)
+        kernels = dataclasses.replace(ALL_FUSED, attention=attention or ALL_FUSED.attention)
         graphs = DecodeGraphs(
             stage_model, pool, graph_tokens, buckets=(split_batch,), kernels=kernels
         )
