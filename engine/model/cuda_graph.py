@@ -2,12 +2,12 @@
 
 At small batch a decode step is bound by kernel launches, not by the bytes it reads: the
 eager forward launches ~50 kernels per layer from Python. `DecodeStep` runs the same model
-with seven per layer (the q/k/v projection with the residual add and RMSNorm before it, q/k
-norm + RoPE + KV store, paged attention, the o projection, add + RMSNorm + router + top-k, warp
-decode's two kernels), linked by programmatic dependent launch, over static input buffers, so
-one CUDA graph per bucket of rows can replay a whole step with no Python in between. Each
-fusion can be switched off (engine.model.step_kernels), which gives the eleven separate
-kernels of before. The captured step and the eager one are the same code
+with eleven per layer over static input buffers, so one CUDA graph per bucket of rows can
+replay a whole step with no Python in between. With every fusion of engine.model.step_kernels
+it is seven (the q/k/v projection with the residual add and RMSNorm before it, q/k norm + RoPE
++ KV store, paged attention with its merge, the o projection, add + RMSNorm + router + top-k,
+warp decode's two kernels), linked by programmatic dependent launch; the engine turns them on
+once a GPU measurement has checked them (step_kernels.DEFAULT_FUSIONS). The captured step and the eager one are the same code
 (`DecodeStep.__call__`): the CUDA backend's decoder layer, over the model's `LayerWeights` and
 with the general layer's `mlp` (engine.model.layer), whose MoE path the model's options choose.
 

@@ -33,6 +33,9 @@ ROUTER = "router"
 ATTENTION_MERGE = "attention_merge"
 PDL = "pdl"
 FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, PDL)
+# The engine's step launches none of them until a GPU run of engine.bench.decode has shown the
+# fused step giving the unfused step's logits (bit-stable over replays) and running faster.
+DEFAULT_FUSIONS: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class StepKernels:
     # the Triton GEMV when the step is a PDL chain.
     linear: Callable | None = None
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
-    fusions: frozenset[str] = frozenset(FUSIONS)
+    fusions: frozenset[str] = DEFAULT_FUSIONS
 
     def __post_init__(self):
         unknown = set(self.fusions) - set(FUSIONS)

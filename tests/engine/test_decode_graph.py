@@ -14,7 +14,7 @@ from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
 from engine.model.cuda_graph import DecodeGraphs, DecodeStep
-from engine.model.step_kernels import FUSIONS, StepKernels
+from engine.model.step_kernels import DEFAULT_FUSIONS, FUSIONS, StepKernels
 
 BLOCK = 4
 
@@ -73,9 +73,11 @@ def _max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "all fusions"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_batched_decode_matches_forward(tiny, fp8):
-    """Two sequences, blocks scattered over the pool, one step each, padded to a bucket of 4."""
+def test_batched_decode_matches_forward(tiny, fp8, fused):
+    """Two sequences, blocks scattered over the pool, one step each, padded to a bucket of 4;
+    the engine's default step and the step with every fusion."""
     model, _ = tiny
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -97,7 +99,8 @@ def test_batched_decode_matches_forward(tiny, fp8):
         PagedBatch(twin, tables, "cpu"),
     )
 
-    step = DecodeStep(model, pool, rows=4, max_blocks=8)
+    kernels = StepKernels(fusions=frozenset(FUSIONS if fused else DEFAULT_FUSIONS))
+    step = DecodeStep(model, pool, rows=4, max_blocks=8, kernels=kernels)
     step.load(nxt, positions, tables)
     step()
     tol = 2e-2 if fp8 else 1e-4
@@ -169,7 +172,10 @@ def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
     for table, prompt in zip(tables, prompts):
         _prefill(model, pool, table, prompt[:-1])
     logits = []
-    for kernels in (StepKernels(), StepKernels(fusions=frozenset(fusions))):
+    for kernels in (
+        StepKernels(fusions=frozenset(FUSIONS)),
+        StepKernels(fusions=frozenset(fusions)),
+    ):
         step = DecodeStep(model, _clone(pool), rows=2, max_blocks=4, kernels=kernels)
         step.load([p[-1] for p in prompts], [len(p) - 1 for p in prompts], tables)
         step()
