@@ -231,8 +231,13 @@ def _down_kernel(
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     PRELOAD: tl.constexpr,
+    ROUTING_READY: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel of a PDL chain may start during this one's tail
+    if not ROUTING_READY:
+        # The router is a link of the chain too: kernel 1 may have started (and so this one)
+        # before the routing was written. Nothing of it may be read before the wait.
+        wait(PDL)
     token = tl.program_id(0)
     pid_h = tl.program_id(1)
 
@@ -275,7 +280,7 @@ def _down_kernel(
         mask_w0 = mask_k[:, None, None] & mask_h[None, :, None]
         mask_w0 = mask_w0 & (offs_c * PER_ITEM < inter)[None, None, :]
         w0 = tl.load(w_ptrs, mask=mask_w0, other=0)
-    if PDL:  # kernel 1's activations are visible after this
+    if PDL and ROUTING_READY:  # kernel 1's activations are visible after this
         tl.extra.cuda.gdc_wait()
     i_start = 0
     if PRELOAD:
@@ -363,7 +368,7 @@ def warp_decode_moe(
     chain = pdl and pdl_supported(x.device)
     pdl = chain or use_pdl(cfg["down"], x.device)
     act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"], launch_deps=pdl, w_down=w_down, pdl=chain)
-    return down(act, w_down, ids, route_w, dict(cfg["down"], pdl=pdl))
+    return down(act, w_down, ids, route_w, dict(cfg["down"], pdl=pdl), routing_ready=not chain)
 
 
 def gate_up_silu(
@@ -440,11 +445,14 @@ def _launch_opts(cfg: dict, pdl: bool = False) -> dict:
     return opts
 
 
-def down(act, w_down: Weight, ids, route_w, cfg: dict) -> torch.Tensor:
+def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = True) -> torch.Tensor:
     """Kernel 2: y [T, H] = sum over the token's slots of route_w * (w_down[e] @ act[slot]).
 
     With cfg["pdl"] (where supported) this must be launched right after the kernel that writes
     `act`, with nothing else between that the activations depend on: it waits only for that one.
+    `routing_ready`: ids and route_w were complete before kernel 1 was launched, so they (and
+    the first weights they select) are read before the wait; False where the router is itself a
+    link of the PDL chain, and everything waits.
     """
     n_tokens, top_k = ids.shape
     experts, hidden, inter = w_down.shape
@@ -458,7 +466,7 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict) -> torch.Tensor:
     block_i = max(scale_tile(block_i, w.tile_cols), 2 * w.per_item)
     pdl = use_pdl(cfg, act.device)
     line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
-    prefetch = pdl and cfg.get("prefetch") and w.format == PLAIN
+    prefetch = pdl and routing_ready and cfg.get("prefetch") and w.format == PLAIN
     prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if prefetch else 0
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act,
@@ -489,7 +497,8 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict) -> torch.Tensor:
         PDL=pdl,
         PREFETCH_LINES=prefetch_lines,
         LINE_ELEMS=line_elems,
-        PRELOAD=bool(cfg.get("preload")),
+        PRELOAD=bool(cfg.get("preload")) and routing_ready,
+        ROUTING_READY=routing_ready or not pdl,
         **_launch_opts(cfg, pdl),
     )
     return y

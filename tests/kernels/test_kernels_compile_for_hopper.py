@@ -93,27 +93,43 @@ def warp_decode_compiles(fmt):
             num_warps=4,
             launch_pdl=True,
         )
-        down = compile_for_hopper(
-            warp_decode._down_kernel,
-            dict(act_ptr="bf16", w_ptr=w, s_ptr=s, ids_ptr="i64", weights_ptr="fp32", y_ptr="bf16"),
-            dict(
-                K_PAD=8,
-                BLOCK_H=4,
-                BLOCK_I=block_i,
-                EVEN_K=True,
-                EVEN_H=True,
-                EVEN_I=True,
-                FORMAT=fmt,
-                PDL=True,
-                PREFETCH_LINES=0,
-                LINE_ELEMS=64,
-                PRELOAD=True,
-                **FORMAT_CONSTS[fmt],
-            ),
-            num_warps=4,
-            launch_pdl=True,
-        )
-        assert "griddepcontrol" in down and "griddepcontrol" in gate_up
+        # Routing known before kernel 1 (its first weights preloaded before the wait), and the
+        # router a link of the chain (nothing read before the wait).
+        for routing_ready in (True, False):
+            down = compile_for_hopper(
+                warp_decode._down_kernel,
+                dict(
+                    act_ptr="bf16",
+                    w_ptr=w,
+                    s_ptr=s,
+                    ids_ptr="i64",
+                    weights_ptr="fp32",
+                    y_ptr="bf16",
+                ),
+                dict(
+                    K_PAD=8,
+                    BLOCK_H=4,
+                    BLOCK_I=block_i,
+                    EVEN_K=True,
+                    EVEN_H=True,
+                    EVEN_I=True,
+                    FORMAT=fmt,
+                    PDL=True,
+                    PREFETCH_LINES=0,
+                    LINE_ELEMS=64,
+                    PRELOAD=routing_ready,
+                    ROUTING_READY=routing_ready,
+                    **FORMAT_CONSTS[fmt],
+                ),
+                num_warps=4,
+                launch_pdl=True,
+            )
+            assert "griddepcontrol.wait" in down and "griddepcontrol" in gate_up
+            if not routing_ready:
+                assert down.index("griddepcontrol.wait") < down.index("ld.global"), (
+                    "a load before the wait races the router"
+                )
+        assert gate_up.index("griddepcontrol.wait") < gate_up.index("ld.global")
 
 
 def expert_centric_compiles(fmt):
