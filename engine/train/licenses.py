@@ -11,6 +11,7 @@ import re
 # SPDX ids (and the free-text spellings packages really use) that we accept.
 PERMISSIVE_IDS = {
     "mit",
+    "expat",  # Debian's name for the MIT licence
     "mit-0",
     "isc",
     "0bsd",
@@ -32,6 +33,7 @@ PERMISSIVE_IDS = {
     "bsd-3-clause license",
     "zlib",
     "cc0-1.0",  # numpy 2.5 declares parts under these
+    "cc0",  # Debian's spelling
     "apache license 2.0",
     "apache license, version 2.0",
     "apache license version 2.0",
