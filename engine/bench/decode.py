@@ -18,7 +18,6 @@ random keys/values for every sequence, and measures in one run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -302,9 +301,10 @@ def main(argv=None) -> int:
     )
     decode = []
     paths = (
-        ("warp", None, ALL_FUSED),
+        ("warp", None, StepKernels()),  # the engine's step
         ("warp unfused", None, UNFUSED),
-        ("expert_centric", expert_centric_moe, ALL_FUSED),
+        ("warp all fusions", None, ALL_FUSED),
+        ("expert_centric", expert_centric_moe, StepKernels()),
     )
     for moe_name, moe_fn, kernels in paths:
         path_model = model.with_options(moe_fn=moe_fn)
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
                     else ""
                 )
                 log(
-                    f"  {moe_name:>15} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
+                    f"  {moe_name:>16} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
                     f"{row['tok_s']:8.1f} tok/s  {floor}"
                 )
             del graphs
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
         ("neither", zero_moe, skip_attention),
     ):
         stage_model = model.with_options(moe_fn=moe_fn)
-        kernels = dataclasses.replace(ALL_FUSED, attention=attention or ALL_FUSED.attention)
+        kernels = StepKernels() if attention is None else StepKernels(attention=attention)
         graphs = DecodeGraphs(
             stage_model, pool, graph_tokens, buckets=(split_batch,), kernels=kernels
         )

@@ -6,10 +6,11 @@ with eleven per layer over static input buffers, so one CUDA graph per bucket of
 replay a whole step with no Python in between. With every fusion of engine.model.step_kernels
 it is seven (the q/k/v projection with the residual add and RMSNorm before it, q/k norm + RoPE
 + KV store, paged attention with its merge, the o projection, add + RMSNorm + router + top-k,
-warp decode's two kernels), linked by programmatic dependent launch; the engine turns them on
-once a GPU measurement has checked them (step_kernels.DEFAULT_FUSIONS). The captured step and the eager one are the same code
-(`DecodeStep.__call__`): the CUDA backend's decoder layer, over the model's `LayerWeights` and
-with the general layer's `mlp` (engine.model.layer), whose MoE path the model's options choose.
+warp decode's two kernels), linked by programmatic dependent launch; the engine turns each on
+once a GPU measurement has checked it (step_kernels.DEFAULT_FUSIONS). The captured step and
+the eager one are the same code (`DecodeStep.__call__`): the CUDA backend's decoder layer,
+over the model's `LayerWeights` and with the general layer's `mlp` (engine.model.layer), whose
+MoE path the model's options choose.
 
 A row is one query token with its own block table and length. Rows are a batch of decode
 steps, or several new tokens of one sequence (each row ends at its own position, so the

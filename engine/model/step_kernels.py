@@ -33,9 +33,10 @@ ROUTER = "router"
 ATTENTION_MERGE = "attention_merge"
 PDL = "pdl"
 FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, PDL)
-# The engine's step launches none of them until a GPU run of engine.bench.decode has shown the
-# fused step giving the unfused step's logits (bit-stable over replays) and running faster.
-DEFAULT_FUSIONS: frozenset[str] = frozenset()
+# The engine's step takes a fusion once a GPU run of engine.bench.decode has shown it giving the
+# unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): so far the
+# router's; the others were slower there.
+DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
 
 
 @dataclasses.dataclass(frozen=True)
