@@ -1,0 +1,137 @@
+"""The decode step's projections (q/k/v and o) at a model shape's sizes: cuBLAS on bf16 weights
+against the Triton skinny GEMV (kernels.gemv) on bf16, FP8 and int4 weights, with a sweep of the
+GEMV's tiles, each against the floor (bytes / measured read bandwidth).
+
+    python -m engine.bench.projections --out projections.json      # a GPU, Qwen3-30B-A3B sizes
+    python -m engine.bench.projections --shape tiny --device cpu   # the checks only, interpreter
+
+Each case is checked against float64 on the dequantized weights before it is timed; weights are
+cycled (one graph runs every copy) so L2 cannot hold them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.loading import fp8, int4
+from engine.loading.random_model import SHAPES
+from kernels.gemv import skinny_linear
+from kernels.quant import dequantize, nbytes
+
+TILES = list(itertools.product((16, 32, 64), (256, 512), (4, 8)))
+DEFAULT_TILE = (16, 256, 4)
+
+
+def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
+    """(out, in) of the decode step's attention projections."""
+    heads, kv, dim, hidden = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        shape["hidden_size"],
+    )
+    return {"qkv": ((heads + 2 * kv) * dim, hidden), "o": (hidden, heads * dim)}
+
+
+def weights(fmt: str, n_out: int, k_in: int, device, copies: int, seed: int) -> list:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    size = 128 if k_in % 128 == 0 else 32  # blocks / groups (the tiny shape's are narrow)
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n_out, k_in, generator=gen) * k_in**-0.5).to(device)
+        if fmt == "fp8":
+            out.append(fp8.quantized_weight(w.bfloat16(), size))
+        elif fmt == "int4":
+            out.append(int4.quantized_weight(w.bfloat16(), size))
+        else:
+            out.append(w.bfloat16())
+    return out
+
+
+def relative_error(y: torch.Tensor, x: torch.Tensor, w) -> float:
+    ref = x.double() @ dequantize(w, torch.float64).T
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
+    """Microseconds per product: cuBLAS (bf16 weights only), the GEMV's default tile, its best."""
+    from kernels.bench.gpu_timing import graph_time_us
+
+    def per_product(fn) -> float:
+        return graph_time_us(lambda: [fn(w) for w in ws]) / len(ws)
+
+    out = {}
+    if fmt == "bf16":
+        out["cublas_us"] = per_product(lambda w: F.linear(x, w))
+    times = {}
+    for bn, bk, nw in tiles:
+        try:
+            times[(bn, bk, nw)] = per_product(
+                lambda w, bn=bn, bk=bk, nw=nw: skinny_linear(
+                    x, w, block_n=bn, block_k=bk, num_warps=nw
+                )
+            )
+        except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
+            continue
+    best = min(times, key=times.get)
+    out.update(
+        default_us=times.get(DEFAULT_TILE),
+        best_us=times[best],
+        best_tile=dict(block_n=best[0], block_k=best[1], num_warps=best[2]),
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--formats", default="bf16,fp8,int4")
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    results: dict = {"shape": args.shape, "cases": []}
+    if cuda:
+        from kernels.bench.gpu_timing import read_bandwidth
+
+        bandwidth = read_bandwidth()["read_bytes_per_s"]
+        results["read_bytes_per_s"] = bandwidth
+        print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for name, (n_out, k_in) in projection_sizes(SHAPES[args.shape]).items():
+        for fmt in args.formats.split(","):
+            copies = 12 if cuda else 1  # > L2 at the real sizes
+            ws = weights(fmt, n_out, k_in, args.device, copies, seed=n_out + k_in)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k_in, device=args.device).bfloat16()
+                err = relative_error(skinny_linear(x, ws[0]), x, ws[0])
+                case = dict(proj=name, fmt=fmt, rows=rows, out=n_out, k=k_in, error=err)
+                if cuda:
+                    floor_us = nbytes(ws[0]) / bandwidth * 1e6
+                    case["floor_us"] = floor_us
+                    case.update(time_case(x, ws, fmt, TILES if args.sweep else [DEFAULT_TILE]))
+                results["cases"].append(case)
+                line = f"{name:>3} {fmt:>4} rows={rows:<2} err {err:.2e}"
+                if cuda:
+                    cublas = case.get("cublas_us")
+                    line += (
+                        f"  floor {case['floor_us']:6.1f}"
+                        + (f"  cuBLAS {cublas:6.1f}" if cublas else " " * 15)
+                        + f"  gemv default {case['default_us'] or float('nan'):6.1f}"
+                        + f"  best {case['best_us']:6.1f} {case['best_tile']}"
+                    )
+                print(line, flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
