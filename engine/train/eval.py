@@ -1,6 +1,24 @@
 """Evaluate a model folder on the held-out files: FIM completion and bits per byte.
 
     python -m engine.train.eval --model engine/models/wd-coder-tiny [--files 100] [--json OUT]
+    python -m engine.train.eval --model DIR --heldout .corpus/heldout.jsonl \\
+        --heldout .corpus/heldout-debian.jsonl [--languages go,rust] [--files 50]
+
+Held-out files: without `--heldout`, the original part's Python files: the tasks of every number
+before the Debian part (same files, seed and tasks, pinned by tests/train/test_eval_languages.py).
+`--heldout` (once per part: its built file or its name, heldout.py) takes every language of the
+parts given; `--languages` keeps some (`go,rust`; `all`). `--files N` counts per language: the
+first N files of each language in content-hash order over the parts together (a fixed
+pseudo-random order, whatever order the parts come in), so neither a large part nor a large
+language drowns the others; a language with fewer files gives all it has. Each task carries its
+file's language (from the suffix, as the corpus named it: `.h` is C). Exact match (Wilson's
+interval, or one counting files with several tasks) and edit similarity (Student's t across
+files) come with 95% intervals per language and over all tasks, in the printed table and in the
+JSON (`languages` under each kind and order); the overall numbers pool the tasks, so each
+language weighs by its tasks (alike where each has N files). Bits per byte: overall and per
+language. Where in a file a task may start follows its language (fim_tasks.py). Two models are
+compared task by task (engine.train.compare) on runs with the same --heldout, --languages, --files,
+--seed and --tasks-per-file; every `--details` row names its language.
 
 Single-line FIM (stop at the newline, <= 24 new tokens) and multi-line FIM (<= 96 new tokens,
 stop at end of middle), greedy (`--beams N`: single lines by beam search, as the server asks),
@@ -30,9 +48,16 @@ import torch.nn.functional as F
 from engine.ipc.protocol import MAX_BEAMS, CompletionParams
 
 from . import heldout
+from .corpus import LANG_BY_SUFFIX
 from .data import load_tokenizer, token_byte_lengths
 from .fim_tasks import PREFIX_CHARS, SUFFIX_CHARS, make_tasks
-from .metrics import clustered_interval, edit_similarity, exact_match, wilson_interval
+from .metrics import (
+    clustered_interval,
+    clustered_mean_interval,
+    edit_similarity,
+    exact_match,
+    wilson_interval,
+)
 
 MAX_NEW = {"single": 24, "multi": 96}
 STOPS = {"single": ["\n"], "multi": []}
@@ -173,27 +198,106 @@ class TransformersBackend:
         return self.model(torch.tensor([ids])).logits[0].float()
 
 
-def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> float:
+def bits_per_byte(backend, docs, model_dir: Path, max_tokens: int) -> tuple[float, dict]:
     """Left-to-right nats over the bytes of the predicted tokens (each ByteLevel character is one
-    byte)."""
+    byte): over all files, and per language."""
     byte_len = token_byte_lengths(load_tokenizer(model_dir / "tokenizer.json"))
     nats, n_bytes = 0.0, 0
-    for _, text in docs:
+    by_lang: dict[str, list] = {}  # language -> [nats, bytes]
+    for doc_id, text in docs:
         ids = backend.encode(text)[:max_tokens]
         if len(ids) < 2:
             continue
         logits = backend.logits(ids)
         targets = torch.tensor(ids[1:])
-        nats += F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
-        n_bytes += int(byte_len[targets].sum())
-    return nats / math.log(2) / n_bytes
+        doc_nats = F.cross_entropy(logits[:-1].float(), targets, reduction="sum").item()
+        doc_bytes = int(byte_len[targets].sum())
+        nats += doc_nats
+        n_bytes += doc_bytes
+        lang = by_lang.setdefault(heldout.language(doc_id), [0.0, 0])
+        lang[0] += doc_nats
+        lang[1] += doc_bytes
+    per_lang = {lg: a / math.log(2) / b for lg, (a, b) in sorted(by_lang.items()) if b}
+    return nats / math.log(2) / n_bytes, per_lang
 
 
-def interval(hits: int, n: int, by_file: dict[str, list[int]]) -> tuple[float, float]:
-    """Wilson's interval for one task per file; with several, one that counts their correlation."""
-    if all(tasks == 1 for _, tasks in by_file.values()):
+def interval(hits: int, n: int, by_file: dict[str, list]) -> tuple[float, float]:
+    """Wilson's interval for one task per file; with several, one that counts their correlation.
+    by_file: file -> [hits, tasks, ...]."""
+    if all(row[1] == 1 for row in by_file.values()):
         return wilson_interval(hits, n)
-    return clustered_interval([h for h, _ in by_file.values()], [t for _, t in by_file.values()])
+    return clustered_interval(
+        [row[0] for row in by_file.values()], [row[1] for row in by_file.values()]
+    )
+
+
+def summarize(by_file: dict[str, list]) -> dict:
+    """Exact match and edit similarity, with their 95% intervals, of the tasks of these files
+    (file -> [exact hits, tasks, edit similarity summed])."""
+    hits = sum(row[0] for row in by_file.values())
+    n = sum(row[1] for row in by_file.values())
+    es = sum(row[2] for row in by_file.values())
+    es_ci = clustered_mean_interval(
+        [row[2] for row in by_file.values()], [row[1] for row in by_file.values()]
+    )
+    return {
+        "files": len(by_file),
+        "tasks": n,
+        "exact_match": round(hits / n, 4),
+        "exact_match_ci95": [round(x, 4) for x in interval(hits, n, by_file)],
+        "edit_similarity": round(es / n, 4),
+        "edit_similarity_ci95": [round(x, 4) for x in es_ci],
+    }
+
+
+def table(kind: str, order: str, row: dict) -> str:
+    """The printed table of one kind and order: a line per language, then all tasks."""
+
+    def ci(pair):
+        return f"[{pair[0]:.3f}, {pair[1]:.3f}]"
+
+    lines = [
+        f"{kind} {order}: {row['tasks']} tasks, p50 {row['p50_latency_ms']} ms, {row['seconds']} s",
+        f"{'language':<12}{'files':>6}{'tasks':>7}  {'exact':>6} {'95% interval':<16}"
+        f"  {'edit sim':>8} {'95% interval':<16}",
+    ]
+    rows = [*row["languages"].items(), ("all", row)]
+    for name, r in rows:
+        lines.append(
+            f"{name:<12}{r['files']:>6}{r['tasks']:>7}  {r['exact_match']:>6.3f} "
+            f"{ci(r['exact_match_ci95']):<16}  {r['edit_similarity']:>8.3f} "
+            f"{ci(r['edit_similarity_ci95']):<16}"
+        )
+    return "\n".join(lines)
+
+
+def select_docs(
+    parts: list[str] | None,
+    languages: list[str] | None,
+    n_files: int,
+    allow_changed: bool,
+    corpus: Path = Path(".corpus"),
+) -> list[tuple[str, str]]:
+    """The eval's held-out files: `parts` (built files or names; None: the original part) and
+    `languages` (None: Python without `parts`, every language with them; "all": every language),
+    the first `n_files` of each language."""
+    try:
+        chosen = [heldout.part(spec, corpus) for spec in parts or [heldout.ORIGINAL]]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if languages is None:
+        languages = None if parts else ["python"]
+    elif "all" in languages:
+        languages = None
+    wanted = set(languages) if languages is not None else None
+    unknown = sorted((wanted or set()) - set(LANG_BY_SUFFIX.values()))
+    if unknown:
+        raise SystemExit(f"unknown language {', '.join(unknown)}")
+    docs = heldout.load_parts(chosen, wanted, corpus, allow_changed, per_language=n_files)
+    missing = sorted((wanted or set()) - {heldout.language(doc_id) for doc_id, _ in docs})
+    if missing and docs:
+        raise SystemExit(f"no held-out files in {', '.join(missing)} in the parts given")
+    return docs
 
 
 def run(
@@ -213,8 +317,10 @@ def run(
     suffix_chars: int = SUFFIX_CHARS,
     layout: str = "eval",
     server_max_tokens: int = SERVER_MAX_TOKENS,
+    parts: list[str] | None = None,
+    languages: list[str] | None = None,
 ) -> dict:
-    docs = heldout.load("python", allow_changed=allow_changed, limit=n_files)
+    docs = select_docs(parts, languages, n_files, allow_changed)
     if not docs:
         raise SystemExit("no held-out files found (build the corpus or install the listed sources)")
     t0 = time.time()
@@ -227,10 +333,16 @@ def run(
         if backend_name == "engine"
         else TransformersBackend(model_dir)
     )
+    files_per_language: dict[str, int] = {}
+    for doc_id, _ in docs:
+        lang = heldout.language(doc_id)
+        files_per_language[lang] = files_per_language.get(lang, 0) + 1
     result = {
         "model": model_dir.name,
         "backend": backend_name,
+        "heldout": [heldout.part(spec).name for spec in parts or [heldout.ORIGINAL]],
         "files": len(docs),
+        "files_per_language": dict(sorted(files_per_language.items())),
         "seed": seed,
         "tasks_per_file": tasks_per_file,
         "single_line_beams": beams,
@@ -244,19 +356,19 @@ def run(
         tasks = make_tasks(docs, kind, seed, tasks_per_file, prefix_chars, suffix_chars)
         for order in orders:
             t1 = time.time()
-            em, es = 0, 0.0
             latencies = []
-            by_file: dict[str, list[int]] = {}  # file -> [hits, tasks]
+            by_file: dict[str, list] = {}  # file -> [hits, tasks, edit similarity summed]
+            lang_of: dict[str, str] = {}  # file -> language
             for task in tasks:
                 t2 = time.perf_counter()
                 pred = backend.fim(task.prefix, task.suffix, order, kind)
                 latencies.append(time.perf_counter() - t2)
                 hit = exact_match(pred, task.middle)
-                em += hit
-                per_file = by_file.setdefault(task.file, [0, 0])
+                per_file = by_file.setdefault(task.file, [0, 0, 0.0])
                 per_file[0] += hit
                 per_file[1] += 1
-                es += edit_similarity(pred, task.middle)
+                per_file[2] += edit_similarity(pred, task.middle)
+                lang_of[task.file] = task.lang
                 if details is not None:  # per task, so two models can be compared task by task
                     details.write(
                         json.dumps(
@@ -264,6 +376,7 @@ def run(
                                 "kind": kind,
                                 "order": order,
                                 "task": task.doc_id,
+                                "lang": task.lang,
                                 "middle": task.middle,
                                 "pred": pred,
                                 "exact": bool(hit),
@@ -271,17 +384,20 @@ def run(
                         )
                         + "\n"
                     )
-            result[f"{kind}_{order}"] = {
-                "tasks": len(tasks),
-                "exact_match": round(em / len(tasks), 4),
-                "exact_match_ci95": [round(x, 4) for x in interval(em, len(tasks), by_file)],
-                "edit_similarity": round(es / len(tasks), 4),
+            row = result[f"{kind}_{order}"] = {
+                **summarize(by_file),
                 "p50_latency_ms": round(1000 * statistics.median(latencies), 1),
                 "seconds": round(time.time() - t1, 1),
+                "languages": {
+                    lang: summarize({f: r for f, r in by_file.items() if lang_of[f] == lang})
+                    for lang in sorted(set(lang_of.values()))
+                },
             }
-            print(kind, order, result[f"{kind}_{order}"], flush=True)
+            print(table(kind, order, row), flush=True)
     if bpb_tokens:
-        result["bits_per_byte"] = round(bits_per_byte(backend, docs, model_dir, bpb_tokens), 4)
+        bpb, bpb_by_lang = bits_per_byte(backend, docs, model_dir, bpb_tokens)
+        result["bits_per_byte"] = round(bpb, 4)
+        result["bits_per_byte_by_language"] = {lg: round(v, 4) for lg, v in bpb_by_lang.items()}
         result["bpb_tokens_per_file"] = bpb_tokens
     return result
 
@@ -293,7 +409,22 @@ def main(argv=None) -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--backend", choices=["engine", "transformers"], default="engine")
     ap.add_argument(
-        "--files", type=int, default=100, help="held-out Python files to use (in list order)"
+        "--heldout",
+        action="append",
+        metavar="PART",
+        help="a held-out part, by its built file (.corpus/heldout-debian.jsonl) or its name "
+        "(heldout-debian); once per part (default: the original part's Python files)",
+    )
+    ap.add_argument(
+        "--languages",
+        help="comma-separated languages to keep (python,go; all) (default: every language of "
+        "the --heldout parts; Python without --heldout)",
+    )
+    ap.add_argument(
+        "--files",
+        type=int,
+        default=100,
+        help="held-out files per language (the first in content-hash order over the parts)",
     )
     ap.add_argument("--orders", default="psm,spm")
     ap.add_argument("--kinds", default="single,multi")
@@ -376,6 +507,8 @@ def main(argv=None) -> None:
                 suffix_chars=args.suffix_chars,
                 layout=args.layout,
                 server_max_tokens=args.server_max_tokens,
+                parts=args.heldout,
+                languages=args.languages.split(",") if args.languages else None,
             )
     finally:
         if details:

@@ -1,8 +1,9 @@
 """Completion metrics: exact match (trailing whitespace ignored), edit similarity, and the
-confidence interval of a rate measured on a sample of tasks."""
+confidence intervals of a rate or a mean score measured on a sample of tasks."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -61,3 +62,41 @@ def clustered_interval(hits: list[int], tasks: list[int], z: float = 1.96) -> tu
     design_effect = max(1.0, across_files / (p * (1 - p) / n))
     n_eff = n / design_effect
     return wilson_interval(p * n_eff, n_eff, z)
+
+
+@functools.cache
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (q > 0.5) for `df` degrees of freedom: bisection on the CDF, the
+    density integrated by Simpson's rule (no statistics library needed)."""
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi))
+
+    def density(t: float) -> float:
+        return scale * (1 + t * t / df) ** (-(df + 1) / 2)
+
+    def cdf(x: float, steps: int = 2000) -> float:
+        h = x / steps
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, steps))
+        return 0.5 + h / 3 * (density(0.0) + inner + density(x))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < q:
+        low, high = high, 2 * high
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < q else (low, mid)
+    return (low + high) / 2
+
+
+def clustered_mean_interval(sums: list[float], tasks: list[int]) -> tuple[float, float]:
+    """95% interval of the mean of per-task scores in [0, 1] (edit similarity) over tasks grouped
+    by file (sums[i]: the scores of file i's tasks[i] tasks added up): Student's t interval with
+    the across-file standard error and files - 1 degrees of freedom (with one task per file, the
+    textbook interval of a mean), cut to [0, 1]. Under two files nothing is known of the spread:
+    (0, 1)."""
+    n, files = sum(tasks), len(tasks)
+    if files < 2 or n == 0:
+        return 0.0, 1.0
+    mean = sum(sums) / n
+    variance = files / (files - 1) * sum((s - mean * t) ** 2 for s, t in zip(sums, tasks)) / n**2
+    half = t_quantile(0.975, files - 1) * math.sqrt(variance)
+    return max(0.0, mean - half), min(1.0, mean + half)
