@@ -87,9 +87,8 @@ def test_engine_logits_match_transformers(hf_model):
 
 @needs_engine
 def test_int8_decode_steps_keep_transformers_greedy_tokens(hf_model):
-    """The CPU's lone decode step streams int8 weight copies (by default on x86-64;
-    engine.model.lean_matrices); on the shipped model its greedy tokens are still fp32
-    transformers' own."""
+    """With int8 weight copies (`lean_weights="int8"`, engine.model.lean_matrices) the CPU's lone
+    decode step still gives fp32 transformers' greedy tokens on these plain prompts."""
     from engine_runs import complete
 
     from engine.loading.loader import load_model
