@@ -57,20 +57,30 @@ export class ItemLog {
    * from what now stands between its start and the cursor. Items of one answer all start alike,
    * so the accepted part tells them apart; where it doesn't, they are of one request (and one
    * language), which is all the statistics keep. Undefined when no item fits, or when the accept
-   * took a whole item: VS Code then accepts it as a whole and runs its command.
+   * took a whole item: VS Code then accepts it as a whole and runs its command, so an item whose
+   * command ran during the accept (`acceptedWhole`) ends the search. An item that the typed text
+   * merely equals, with no command run, was not the one on screen when a longer one goes on.
    */
-  partlyAccepted(uri: string, textToCursor: TextToCursor): TrackedItem | undefined {
+  partlyAccepted(
+    uri: string,
+    textToCursor: TextToCursor,
+    acceptedWhole: ReadonlySet<string> = new Set(),
+  ): TrackedItem | undefined {
     for (const items of this.answers.get(uri) ?? []) {
       let found: TrackedItem | undefined;
+      let whole = false;
       for (const item of items) {
         const typed = textToCursor(item.line, item.character);
         if (typed === null) continue;
         const text = normalize(item.text);
         const done = normalize(typed);
-        if (text === done) return undefined;
-        if (!found && text.startsWith(done)) found = item;
+        if (text === done) {
+          if (acceptedWhole.has(item.id)) return undefined;
+          whole = true;
+        } else if (!found && text.startsWith(done)) found = item;
       }
       if (found) return found;
+      if (whole) return undefined;
     }
     return undefined;
   }

@@ -164,7 +164,10 @@ function createClient(launch: LaunchSettings, env: NodeJS.ProcessEnv): WdClient 
         // answer was counted as shown.
         if (command === ACCEPTED) {
           const id = args[0] && typeof args[0] === 'object' ? (args[0] as { id?: unknown }).id : undefined;
-          if (typeof id === 'string') tellShown(id);
+          if (typeof id === 'string') {
+            tellShown(id);
+            acceptedDuringPart?.add(id);
+          }
         }
         return next(command, args);
       },
@@ -268,6 +271,9 @@ async function onConfigurationChanged(e: vscode.ConfigurationChangeEvent): Promi
   }
 }
 
+// Set while a partial accept runs: the items whose accept command VS Code ran meanwhile.
+let acceptedDuringPart: Set<string> | undefined;
+
 /**
  * VS Code's accept-next-word / accept-next-line, then `wdLsp.accepted` with that kind for the
  * item it took from (the stable API does not report partial accepts to the provider).
@@ -275,9 +281,16 @@ async function onConfigurationChanged(e: vscode.ConfigurationChangeEvent): Promi
 async function acceptPart(kind: 'word' | 'line'): Promise<void> {
   const editor = vscode.window.activeTextEditor;
   const before = editor?.document.version;
-  await vscode.commands.executeCommand(
-    kind === 'word' ? 'editor.action.inlineSuggest.acceptNextWord' : 'editor.action.inlineSuggest.acceptNextLine',
-  );
+  // Items VS Code accepted whole during this accept (it runs their command).
+  const acceptedWhole = new Set<string>();
+  acceptedDuringPart = acceptedWhole;
+  try {
+    await vscode.commands.executeCommand(
+      kind === 'word' ? 'editor.action.inlineSuggest.acceptNextWord' : 'editor.action.inlineSuggest.acceptNextLine',
+    );
+  } finally {
+    acceptedDuringPart = undefined;
+  }
   if (!editor || editor.document.version === before) return;
   const document = editor.document;
   const cursor = editor.selection.active;
@@ -285,6 +298,7 @@ async function acceptPart(kind: 'word' | 'line'): Promise<void> {
     line < document.lineCount && cursor.isAfterOrEqual(new vscode.Position(line, character))
       ? document.getText(new vscode.Range(line, character, cursor.line, cursor.character))
       : null,
+    acceptedWhole,
   );
   if (item) tellServer(ACCEPTED, { id: item.id, kind });
 }

@@ -47,8 +47,14 @@ test('an accept that took a whole item is not a partial one', () => {
     { id: 'short', text: 'x = fib(n)', line: 0, character: 0 },
     { id: 'long', text: 'x = fib(n) + 1', line: 0, character: 0 },
   ]);
-  assert.equal(log.partlyAccepted('u', () => 'x = fib(n)'), undefined);
+  // VS Code ran the short item's command: it took that item whole.
+  assert.equal(log.partlyAccepted('u', () => 'x = fib(n)', new Set(['short'])), undefined);
+  // No command ran: the longer item was on screen and the accept took part of it.
+  assert.equal(log.partlyAccepted('u', () => 'x = fib(n)').id, 'long');
   assert.equal(log.partlyAccepted('u', () => 'x = fib(n) +').id, 'long');
+  // The only item the text equals, with no longer one: a whole accept whose command comes later.
+  log.record('u', [{ id: 'only', text: 'y = 1', line: 0, character: 0 }]);
+  assert.equal(log.partlyAccepted('u', () => 'y = 1'), undefined);
 });
 
 test('a line accepted from a multi-line item ends on the next line', () => {
