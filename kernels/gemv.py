@@ -12,9 +12,19 @@ stripe of weights it streams), so the decode step saves the norm's launch. In a 
 
 w may be quantized (kernels.quant): FP8 blocks or int4 groups, read as stored and dequantized
 in registers (`quantized_dot`, shared with kernels.fused_moe); activations stay as they are.
+
+A small matrix has too few output stripes to keep every SM streaming (the o projection of a
+30B-A3B model is 128 stripes of 16 rows for 132 SMs, each walking K alone). `split_k` cuts K
+into that many parts, each its own program; the last part of a stripe to finish adds the fp32
+partials in a fixed order (the same bits on every run) and stores the output, as the attention
+kernel's fused merge does. Its arrival counters are reset by that program, so one zeroed buffer
+serves every launch and every CUDA-graph replay.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
@@ -135,9 +145,12 @@ def _skinny_kernel(
     s_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    counters_ptr,
     n_rows,
     n_out,
     k_in,
+    k_part,
     stride_xm,
     stride_wn,
     stride_sn,
@@ -154,21 +167,29 @@ def _skinny_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * k_part  # this program's part of K: [k_start, k_end)
+    k_end = tl.minimum(k_in, k_start + k_part)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
     offs_c = tl.arange(0, BLOCK_K // PER_ITEM)  # stored items (int4: words) of a step
     mask_n = offs_n < n_out
     mask_m = offs_m < n_rows
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_c[None, :]
+    w_ptrs = (
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start // PER_ITEM + offs_c)[None, :]
+    )
     rows = tl.minimum(offs_n, n_out - 1)  # masked rows read a real scale
     s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64) * stride_sn
     # The first weight tile depends on nothing the previous kernel writes: in flight before
     # the wait.
-    w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_c * PER_ITEM < k_in)[None, :], other=0)
+    w = tl.load(
+        w_ptrs, mask=mask_n[:, None] & (k_start + offs_c * PER_ITEM < k_end)[None, :], other=0
+    )
     wait(PDL)
     inv_rms = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
@@ -181,7 +202,7 @@ def _skinny_kernel(
             k_in,
             stride_xm,
             eps,
-            pid == 0,
+            (pid == 0) & (pid_k == 0),
             HAS_DELTA,
             BLOCK_K,
             ROWS,
@@ -193,8 +214,8 @@ def _skinny_kernel(
         inv_rms,
         offs_m,
         mask_m,
-        0,
-        k_in,
+        k_start,
+        k_end,
         stride_xm,
         NORM,
         HAS_DELTA,
@@ -205,7 +226,7 @@ def _skinny_kernel(
         a,
         w,
         s_rows,
-        0,
+        k_start,
         k_in,
         tl.zeros([ROWS, BLOCK_N], dtype=tl.float32),
         FORMAT,
@@ -213,9 +234,9 @@ def _skinny_kernel(
         BLOCK_K,
         INTERPRET,
     )
-    for k0 in range(BLOCK_K, k_in, BLOCK_K):
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K // PER_ITEM
-        mask_w = mask_n[:, None] & (k0 + offs_c * PER_ITEM < k_in)[None, :]
+        mask_w = mask_n[:, None] & (k0 + offs_c * PER_ITEM < k_end)[None, :]
         w = tl.load(w_ptrs, mask=mask_w, other=0)
         a = _activations(
             x_ptr,
@@ -225,7 +246,7 @@ def _skinny_kernel(
             offs_m,
             mask_m,
             k0,
-            k_in,
+            k_end,
             stride_xm,
             NORM,
             HAS_DELTA,
@@ -233,12 +254,35 @@ def _skinny_kernel(
             INTERPRET,
         )
         acc = _accumulate(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, INTERPRET)
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_y)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        count = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel")
+        if count == SPLIT_K - 1:
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for part in range(SPLIT_K):  # in order, whichever part came last
+                acc += tl.load(
+                    part_ptr + part * n_rows * n_out + offs_y,
+                    mask=mask_y,
+                    other=0.0,
+                    cache_modifier=".cg",  # from L2: other SMs wrote them
+                )
+            _store_output(acc, b_ptr, y_ptr, offs_m, offs_n, mask_n, mask_y, stride_ym, HAS_BIAS)
+            tl.store(counters_ptr + pid, 0)  # ready for the next launch and every graph replay
+    else:
+        _store_output(acc, b_ptr, y_ptr, offs_m, offs_n, mask_n, mask_y, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _store_output(acc, b_ptr, y_ptr, offs_m, offs_n, mask_n, mask_y, stride_ym, HAS_BIAS):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(
         y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
+        mask=mask_y,
     )
 
 
@@ -251,13 +295,16 @@ def skinny_linear(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """F.linear(x, w, bias) for x [M, K] with M <= MAX_ROWS rows, in x's dtype (fp32
     accumulation).
 
     w [N, K] is a tensor or a quantized weight (kernels.quant.kernels_read); a quantized weight's
-    K steps shrink to fit its scales (`k_step`). `pdl`: launched as a link of a PDL chain."""
-    _, y = _launch(x, None, None, 0.0, w, bias, block_n, block_k, num_warps, num_stages, pdl)
+    K steps shrink to fit its scales (`k_step`). `pdl`: launched as a link of a PDL chain.
+    `split_k`: parts of K in programs of their own (None: `default_split_k`)."""
+    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
+    _, y = _launch(x, None, None, 0.0, w, bias, tiles, pdl)
     return y
 
 
@@ -273,22 +320,75 @@ def norm_linear(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta (s = x when delta
     is None), in one launch: `kernels.fused_ops.add_rms_norm` followed by `skinny_linear`, with
     the same roundings. x, delta [M, K] with M <= MAX_ROWS."""
-    return _launch(
-        x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, num_stages, pdl
-    )
+    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
+    return _launch(x, delta, norm_weight, eps, w, bias, tiles, pdl)
 
 
-def _launch(x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, num_stages, pdl):
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int | None
+
+
+# Enough programs to keep every SM streaming: a few per SM (measured, BENCHMARKS.md "The decode
+# step's projections").
+PROGRAMS_PER_SM = 4
+
+
+def default_split_k(n_stripes: int, k_steps: int, device: torch.device) -> int:
+    """Parts of K for a GEMV of `n_stripes` output stripes and `k_steps` K steps: none on the
+    CPU (the interpreter), else as many as bring the programs up to PROGRAMS_PER_SM per SM,
+    each part keeping at least two K steps."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    target = PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    return max(1, min(-(-target // n_stripes), k_steps // 2))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The split-K arrival counters, one per output stripe: zero between launches (the last part
+    resets its stripe's), so one buffer per device serves every launch. Grown outside a CUDA
+    graph's capture: the step's warm-up runs first."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(max(needed, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
     n_rows, k_in = x.shape
     n_out = w.shape[0]
     assert 0 < n_rows <= MAX_ROWS and len(w.shape) == 2 and w.shape[1] == k_in
     assert is_quantized(w) or w.stride(1) == 1, "a plain w must be contiguous along K"
     kw = kernel_weight(w)
-    block_k = k_step(block_k, kw)
+    block_n = tiles.block_n
+    block_k = k_step(tiles.block_k, kw)
+    n_stripes, k_steps = triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k)
+    split_k = tiles.split_k or default_split_k(n_stripes, k_steps, x.device)
+    k_part = triton.cdiv(k_steps, max(1, min(split_k, k_steps))) * block_k
+    split_k = triton.cdiv(k_in, k_part)  # no empty part
+    if split_k > 1:
+        partials = torch.empty(split_k, n_rows, n_out, dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, n_stripes)
+    else:
+        partials = counters = x  # placeholders, unused
     x = x.contiguous()
     norm = norm_weight is not None
     if delta is not None:
@@ -298,7 +398,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, nu
     else:
         total = x
     y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(n_out, block_n),)](
+    _skinny_kernel[(n_stripes, split_k)](
         x,
         delta if delta is not None else x,
         norm_weight if norm else x,
@@ -307,9 +407,12 @@ def _launch(x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, nu
         kw.scale,
         bias if bias is not None else kw.stored,
         y,
+        partials,
+        counters,
         n_rows,
         n_out,
         k_in,
+        k_part,
         x.stride(0),
         kw.stored.stride(0),
         kw.scale.stride(0),
@@ -326,9 +429,10 @@ def _launch(x, delta, norm_weight, eps, w, bias, block_n, block_k, num_warps, nu
         SCALE_ROWS=kw.scale_rows,
         SCALE_COLS=kw.scale_cols,
         PER_ITEM=kw.per_item,
+        SPLIT_K=split_k,
         PDL=pdl and pdl_supported(x.device),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **launch_options(pdl and pdl_supported(x.device)),
     )
     return total, y

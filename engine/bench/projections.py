@@ -24,8 +24,10 @@ from engine.loading.random_model import SHAPES
 from kernels.gemv import skinny_linear
 from kernels.quant import dequantize, nbytes
 
-TILES = list(itertools.product((16, 32, 64), (256, 512), (4, 8)))
-DEFAULT_TILE = (16, 256, 4)
+# (block_n, block_k, num_warps, split_k); split_k None: the kernel's default_split_k.
+TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)))
+DEFAULT_TILE = (16, 256, 4, None)
+UNSPLIT_TILE = (16, 256, 4, 1)
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -60,7 +62,8 @@ def relative_error(y: torch.Tensor, x: torch.Tensor, w) -> float:
 
 
 def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
-    """Microseconds per product: cuBLAS (bf16 weights only), the GEMV's default tile, its best."""
+    """Microseconds per product: cuBLAS (bf16 weights only), the GEMV's default tile (with its
+    default split of K), the default tile unsplit, and the best of the sweep."""
     from kernels.bench.gpu_timing import graph_time_us
 
     def per_product(fn) -> float:
@@ -70,11 +73,11 @@ def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
     if fmt == "bf16":
         out["cublas_us"] = per_product(lambda w: F.linear(x, w))
     times = {}
-    for bn, bk, nw in tiles:
+    for bn, bk, nw, sk in tiles:
         try:
-            times[(bn, bk, nw)] = per_product(
-                lambda w, bn=bn, bk=bk, nw=nw: skinny_linear(
-                    x, w, block_n=bn, block_k=bk, num_warps=nw
+            times[(bn, bk, nw, sk)] = per_product(
+                lambda w, bn=bn, bk=bk, nw=nw, sk=sk: skinny_linear(
+                    x, w, block_n=bn, block_k=bk, num_warps=nw, split_k=sk
                 )
             )
         except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
@@ -82,8 +85,9 @@ def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
     best = min(times, key=times.get)
     out.update(
         default_us=times.get(DEFAULT_TILE),
+        unsplit_us=times.get(UNSPLIT_TILE),
         best_us=times[best],
-        best_tile=dict(block_n=best[0], block_k=best[1], num_warps=best[2]),
+        best_tile=dict(block_n=best[0], block_k=best[1], num_warps=best[2], split_k=best[3]),
     )
     return out
 
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
                 if cuda:
                     floor_us = nbytes(ws[0]) / bandwidth * 1e6
                     case["floor_us"] = floor_us
-                    case.update(time_case(x, ws, fmt, TILES if args.sweep else [DEFAULT_TILE]))
+                    tiles = TILES + [DEFAULT_TILE] if args.sweep else [DEFAULT_TILE, UNSPLIT_TILE]
+                    case.update(time_case(x, ws, fmt, tiles))
                 results["cases"].append(case)
                 line = f"{name:>3} {fmt:>4} rows={rows:<2} err {err:.2e}"
                 if cuda:
@@ -125,6 +130,7 @@ def main(argv=None) -> int:
                         f"  floor {case['floor_us']:6.1f}"
                         + (f"  cuBLAS {cublas:6.1f}" if cublas else " " * 15)
                         + f"  gemv default {case['default_us'] or float('nan'):6.1f}"
+                        + f"  unsplit {case['unsplit_us'] or float('nan'):6.1f}"
                         + f"  best {case['best_us']:6.1f} {case['best_tile']}"
                     )
                 print(line, flush=True)

@@ -10,6 +10,8 @@ without it in one run (`engine.bench.decode`: its step variants add one fusion a
 - "router": the add and RMSNorm before the MoE, the router's matmul and its softmax/top-k in one
   launch (kernels.router.norm_route);
 - "attention_merge": the last split of each head merges the splits (kernels.paged_attention);
+- "gemv": the q/k/v and o projections of plain weights on the Triton GEMV, which splits K to
+  fill the GPU (quantized weights always take it; plain ones otherwise take cuBLAS);
 - "pdl": every Triton kernel of the step is a link of a programmatic-dependent-launch chain
   (kernels.pdl), so each starts, and loads its first weights, while the previous one drains;
   the q/k/v and o projections then run as Triton GEMVs, which can be links.
@@ -31,8 +33,9 @@ from kernels.quant_linear import linear
 NORM_QKV = "norm_qkv"
 ROUTER = "router"
 ATTENTION_MERGE = "attention_merge"
+GEMV = "gemv"
 PDL = "pdl"
-FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, PDL)
+FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, GEMV, PDL)
 # The engine's step takes a fusion once a GPU run of engine.bench.decode has shown it giving the
 # unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): so far the
 # router's; the others were slower there.
@@ -46,7 +49,7 @@ class StepKernels:
 
     attention: Callable = paged_decode_attention  # paged_decode_attention's signature
     # The o projection (and q/k/v without "norm_qkv"); None: kernels.quant_linear.linear, or
-    # the Triton GEMV when the step is a PDL chain.
+    # the Triton GEMV with "gemv" or when the step is a PDL chain.
     linear: Callable | None = None
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
     fusions: frozenset[str] = DEFAULT_FUSIONS
@@ -81,8 +84,8 @@ class StepOps:
         )
         if kernels.linear is not None:
             self.linear = kernels.linear
-        elif self.pdl and gemv_rows:
-            self.linear = self._chained_gemv
+        elif (self.pdl or GEMV in fusions) and gemv_rows:
+            self.linear = self._gemv
         else:
             self.linear = linear
         # Counters of the kernels that finish in their last program: zero between launches
@@ -90,10 +93,10 @@ class StepOps:
         self.router_counters = torch.zeros(rows, dtype=torch.int32, device=device)
         self.attention_counters = torch.zeros(rows * n_kv_heads, dtype=torch.int32, device=device)
 
-    def _chained_gemv(self, x, w, bias=None):
+    def _gemv(self, x, w, bias=None):
         from kernels.gemv import skinny_linear
 
-        return skinny_linear(x, w, bias, pdl=True)
+        return skinny_linear(x, w, bias, pdl=self.pdl)
 
     def norm_linear(self, x, delta, norm_weight, w, bias):
         """(s, linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta."""

@@ -7,19 +7,21 @@ import torch.nn.functional as F
 from quantized_layers import poison_torch_empty, quantize
 
 from kernels.fused_ops import add_rms_norm
-from kernels.gemv import norm_linear, skinny_linear
+from kernels.gemv import _COUNTERS, norm_linear, skinny_linear
 from kernels.quant import dequantize
 
 
 @pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 96), (3, 33, 100), (16, 16, 64), (27, 20, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_linear(rows, n_out, k_in, dtype, bias):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_matches_linear(rows, n_out, k_in, dtype, bias, split_k, monkeypatch):
+    poison_torch_empty(monkeypatch)
     g = torch.Generator().manual_seed(rows * n_out)
     x = torch.randn(rows, k_in, generator=g).to(dtype)
     w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).to(dtype)
     b = torch.randn(n_out, generator=g).to(dtype) if bias else None
-    got = skinny_linear(x, w, b, block_n=16, block_k=32)
+    got = skinny_linear(x, w, b, block_n=16, block_k=32, split_k=split_k)
     expected = F.linear(x.double(), w.double(), b.double() if bias else None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.isfinite(got.float()).all()
@@ -37,11 +39,14 @@ def _norm_case(rows, k_in, dtype, with_delta, seed):
 @pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 96), (5, 33, 100), (19, 24, 72)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_norm_linear_is_add_rms_norm_then_linear(rows, n_out, k_in, dtype, with_delta, monkeypatch):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_norm_linear_is_add_rms_norm_then_linear(
+    rows, n_out, k_in, dtype, with_delta, split_k, monkeypatch
+):
     poison_torch_empty(monkeypatch)
     x, delta, norm_w, g = _norm_case(rows, k_in, dtype, with_delta, seed=rows + k_in)
     w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).to(dtype)
-    total, y = norm_linear(x, delta, norm_w, 1e-6, w, block_n=16, block_k=32)
+    total, y = norm_linear(x, delta, norm_w, 1e-6, w, block_n=16, block_k=32, split_k=split_k)
     ref_total, h = add_rms_norm(x, delta, norm_w, 1e-6)
     # The sum is one rounded add either way; the norm's statistics differ only in fp32 order.
     assert torch.equal(total, ref_total)
@@ -52,12 +57,30 @@ def test_norm_linear_is_add_rms_norm_then_linear(rows, n_out, k_in, dtype, with_
 
 
 @pytest.mark.parametrize("fmt,size", [("fp8", 16), ("int4", 32)])
-def test_norm_linear_reads_quantized_weights(fmt, size, monkeypatch):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_norm_linear_reads_quantized_weights(fmt, size, split_k, monkeypatch):
     poison_torch_empty(monkeypatch)
     x, delta, norm_w, g = _norm_case(3, 96, torch.bfloat16, True, seed=size)
     w = quantize(torch.randn(37, 96, generator=g) / 96**0.5, fmt, size)
     bias = torch.randn(37, generator=g).bfloat16()
-    total, y = norm_linear(x, delta, norm_w, 1e-6, w, bias, block_n=16, block_k=32)
+    total, y = norm_linear(x, delta, norm_w, 1e-6, w, bias, block_n=16, block_k=32, split_k=split_k)
     _, h = add_rms_norm(x, delta, norm_w, 1e-6)
     expected = h.double() @ dequantize(w, torch.float64).T + bias.double()
     assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_split_k_gives_the_same_bits_every_launch_and_resets_its_counters(fmt, monkeypatch):
+    """The last part to arrive adds the partials in a fixed order, so the result does not depend
+    on which part came last; and each launch leaves the shared arrival counters at zero."""
+    poison_torch_empty(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 256, generator=g).bfloat16()
+    dense = torch.randn(48, 256, generator=g) / 16
+    w = dense.bfloat16() if fmt == "bf16" else quantize(dense, "int4", 32)
+    first = skinny_linear(x, w, block_n=16, block_k=32, split_k=4)
+    for _ in range(3):
+        assert torch.equal(skinny_linear(x, w, block_n=16, block_k=32, split_k=4), first)
+    assert not _COUNTERS[x.device].any()
+    whole = skinny_linear(x, w, block_n=16, block_k=32, split_k=1)
+    assert ((first.double() - whole.double()).norm() / whole.double().norm()).item() < 1e-2

@@ -147,13 +147,15 @@ def expert_centric_compiles(fmt):
 
 
 def skinny_gemv_compiles(fmt):
-    """The plain GEMV, and the one with the residual add + RMSNorm prologue in a PDL chain."""
+    """The plain GEMV, and the one with the residual add + RMSNorm prologue in a PDL chain with
+    K split (its last part adds the partials)."""
     w, s = STORED[fmt]
     pointers = dict(x_ptr="bf16", delta_ptr="bf16", nw_ptr="bf16", sum_ptr="bf16")
-    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16")
-    for norm, pdl in ((False, False), (True, True)):
+    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16", part_ptr="fp32")
+    pointers.update(counters_ptr="i32")
+    for norm, pdl, split_k in ((False, False, 1), (True, True, 4)):
         consts = dict(HAS_BIAS=False, NORM=norm, HAS_DELTA=norm, BLOCK_N=16, BLOCK_K=128)
-        consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl)
+        consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl, SPLIT_K=split_k)
         consts.update(FORMAT_CONSTS[fmt])
         ptx = compile_for_hopper(
             gemv._skinny_kernel,
@@ -165,6 +167,7 @@ def skinny_gemv_compiles(fmt):
             launch_pdl=pdl,
         )
         assert ("griddepcontrol" in ptx) == pdl
+        assert ("atom.global" in ptx) == (split_k > 1)
 
 
 def qk_norm_rope_store_compiles():
