@@ -5,7 +5,9 @@
 Both models answer the same tasks, so the fair test of "is the new one better" looks only at
 the tasks where they differ: McNemar's exact test on the discordant pairs (tasks exact only with
 one of the two). Prints the counts, each model's exact match and edit similarity on the shared
-tasks, and the two-sided p-value.
+tasks, and the two-sided p-value: over all tasks, and per language (`languages`) where the rows
+name theirs (`eval --details` does) and there is more than one. A retrain that helps one language
+and hurts another shows there, not in the pooled test.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def compare(old: dict, new: dict) -> dict:
     shared = sorted(old.keys() & new.keys())
     if not shared:
         raise SystemExit("the two files share no task (same --files, --seed, --tasks-per-file?)")
+    result = {**_compare_on(old, new, shared), "only_in_one_file": len(old.keys() ^ new.keys())}
+    by_language: dict[str, list] = {}
+    for key in shared:
+        by_language.setdefault(new[key].get("lang") or old[key].get("lang") or "?", []).append(key)
+    if len(by_language) > 1:
+        result["languages"] = {
+            lang: _compare_on(old, new, keys) for lang, keys in sorted(by_language.items())
+        }
+    return result
+
+
+def _compare_on(old: dict, new: dict, shared: list) -> dict:
     only_old = sum(old[k]["exact"] and not new[k]["exact"] for k in shared)
     only_new = sum(new[k]["exact"] and not old[k]["exact"] for k in shared)
     both = sum(old[k]["exact"] and new[k]["exact"] for k in shared)
@@ -57,7 +71,6 @@ def compare(old: dict, new: dict) -> dict:
 
     return {
         "tasks": n,
-        "only_in_one_file": len(old.keys() ^ new.keys()),
         "both_exact": both,
         "only_old_exact": only_old,
         "only_new_exact": only_new,

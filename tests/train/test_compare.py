@@ -66,3 +66,52 @@ def test_compare_refuses_files_without_shared_tasks(tmp_path):
     )
     with pytest.raises(SystemExit):
         compare(load_details(tmp_path / "a.jsonl"), load_details(tmp_path / "b.jsonl"))
+
+
+def test_compare_tests_each_language_on_its_own(tmp_path):
+    """A retrain that wins in one language and loses in another: the pooled counts cancel, the
+    per-language tests show both."""
+
+    def row(task, lang, exact):
+        pred = "x" if exact else "y"
+        return {
+            "kind": "single",
+            "order": "spm",
+            "task": task,
+            "lang": lang,
+            "middle": "x",
+            "pred": pred,
+            "exact": exact,
+        }
+
+    old = [row(f"py{i}", "python", False) for i in range(8)]
+    old += [row(f"go{i}", "go", True) for i in range(8)]
+    new = [row(f"py{i}", "python", True) for i in range(8)]
+    new += [row(f"go{i}", "go", False) for i in range(8)]
+    _write(tmp_path / "old.jsonl", old)
+    _write(tmp_path / "new.jsonl", new)
+    result = compare(load_details(tmp_path / "old.jsonl"), load_details(tmp_path / "new.jsonl"))
+    assert result["mcnemar_p"] == 1.0 and result["tasks"] == 16
+    python, go = result["languages"]["python"], result["languages"]["go"]
+    assert (python["only_new_exact"], python["only_old_exact"]) == (8, 0)
+    assert (go["only_new_exact"], go["only_old_exact"]) == (0, 8)
+    assert python["mcnemar_p"] == go["mcnemar_p"] == round(mcnemar_exact(0, 8), 4) < 0.01
+    assert python["new"]["exact_match"] == 1.0 and go["new"]["exact_match"] == 0.0
+
+
+def test_compare_of_one_language_has_no_split(tmp_path):
+    rows = [
+        {
+            "kind": "single",
+            "order": "spm",
+            "task": "a",
+            "lang": "python",
+            "middle": "x",
+            "pred": "x",
+            "exact": True,
+        }
+    ]
+    _write(tmp_path / "a.jsonl", rows)
+    assert "languages" not in compare(
+        load_details(tmp_path / "a.jsonl"), load_details(tmp_path / "a.jsonl")
+    )
