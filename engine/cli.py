@@ -210,26 +210,28 @@ FIT_MEMORY_HELP = (
 )
 
 CPU_DECODE_WEIGHTS_HELP = (
-    "weights of the CPU's one-sequence decode step: fp32 (the default) computes as prefill does, "
-    "the model's own greedy answers; int8 streams a quarter of the bytes, so steps are faster, "
-    "but its rounding changes some completions"
+    "weights of the CPU's one-sequence decode step: auto (the default) takes a form that holds "
+    "the model's weights exactly, so the answers are the model's own: int4 for a model trained "
+    "through int4 groups (an eighth of fp32's bytes), else fp32; int8 streams a quarter of "
+    "fp32's bytes, but its rounding changes some completions; int4 is refused for a model not "
+    "trained through it"
 )
 
 
-def model_options(device, moe_path: str | None, cpu_decode_weights: str = "fp32"):
+def model_options(device, moe_path: str | None, cpu_decode_weights: str = "auto"):
     """The model's options (engine.model.options) from the command line.
 
     `moe_path`: None or `auto` is the model's own choice (on CUDA the Triton dispatcher: warp
     decode for a few tokens, expert-centric for many); an explicit path is forced for every MoE
     layer: the torch reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp
     decode there). `cpu_decode_weights`: the weights the lean CPU decode step streams
-    (engine.model.lean_matrices); int8 needs torch's int8 product."""
+    (engine.model.lean_matrices); int8 and int4 need torch's int8 and int4 products."""
     import logging
     from functools import partial
 
     import torch
 
-    from engine.model.lean_matrices import int8_available
+    from engine.model.lean_matrices import int4_available, int8_available
     from engine.model.options import ModelOptions
     from kernels import dispatch
 
@@ -237,6 +239,11 @@ def model_options(device, moe_path: str | None, cpu_decode_weights: str = "fp32"
     if form == "int8" and not int8_available():
         logging.getLogger("wd_engine").warning(
             "this torch has no int8 weight-only product: CPU decode steps use fp32 weights"
+        )
+        form = "fp32"
+    if form == "int4" and not int4_available():
+        logging.getLogger("wd_engine").warning(
+            "this torch has no int4 product for the CPU: CPU decode steps use fp32 weights"
         )
         form = "fp32"
     path = moe_path or "auto"
@@ -317,7 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.device,
             model.dtype,
             args.moe_path,
-            model.options.lean_weights if model.lean_path_applies() else "unused",
+            model.lean.form if model.lean_path_applies() else "unused",
         )
     except Exception as exc:  # noqa: BLE001 - reported, the exit code says it failed
         log.error("cannot load model %s: %s", name, exc)
@@ -589,8 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--moe-path", choices=("auto", "expert_centric", "output_centric"))
     gen.add_argument(
         "--cpu-decode-weights",
-        choices=("fp32", "int8"),
-        default="fp32",
+        choices=("auto", "fp32", "int8", "int4"),
+        default="auto",
         help=CPU_DECODE_WEIGHTS_HELP,
     )
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
@@ -653,8 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--cpu-decode-weights",
-        choices=("fp32", "int8"),
-        default="fp32",
+        choices=("auto", "fp32", "int8", "int4"),
+        default="auto",
         help=CPU_DECODE_WEIGHTS_HELP,
     )
     serve.add_argument(

@@ -39,7 +39,7 @@ from kernels import reference as ref
 if TYPE_CHECKING:
     from engine.model.qwen3_moe import Qwen3MoeModel
 
-LeanMatrix = lean_matrices.Fp32Matrix | lean_matrices.Int8Matrix
+LeanMatrix = lean_matrices.Fp32Matrix | lean_matrices.Int8Matrix | lean_matrices.Int4Matrix
 # Attention of one layer's rows: (layer index, q [..., Hq, D] scaled, k, v [..., Hkv, D]) -> the
 # rows' outputs [..., Hq, D], with `...` the rows' leading dimension (none for one row).
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,7 +70,8 @@ class LeanLayer:
     down: tuple[LeanMatrix, ...]  # MoE, per expert [H, I]
 
     @classmethod
-    def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str) -> LeanLayer:
+    def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str, group: int = 32) -> LeanLayer:
+        """`group`: the int4 form's group size."""
         # The scale is exact when D is a power of 4 (64 is): scores come out bit-identical.
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qk_norm = torch.cat(
@@ -84,15 +85,25 @@ class LeanLayer:
         )
         moe = layer.router is not None
         norm = layer.post_attention_norm
+
+        def matrix(w, in_scale=None):
+            return lean_matrices.matrix(form, w, in_scale, group)
+
         return cls(
             qk_norm,
-            lean_matrices.matrix(form, layer.w_qkv, layer.input_norm),
+            matrix(layer.w_qkv, layer.input_norm),
             b_qkv,
-            lean_matrices.matrix(form, layer.w_o),
+            matrix(layer.w_o),
             (layer.router * norm) if moe else None,
-            tuple(lean_matrices.matrix(form, w, norm) for w in layer.w_gate_up) if moe else (),
-            tuple(lean_matrices.matrix(form, w) for w in layer.w_down) if moe else (),
+            tuple(matrix(w, norm) for w in layer.w_gate_up) if moe else (),
+            tuple(matrix(w) for w in layer.w_down) if moe else (),
         )
+
+
+def projections(layer: LayerWeights) -> list[torch.Tensor]:
+    """The matrices of a layer the lean forward streams in its weights' form."""
+    experts = list(layer.w_gate_up) + list(layer.w_down) if layer.router is not None else []
+    return [layer.w_qkv, layer.w_o, *experts]
 
 
 class CacheRows:
@@ -155,7 +166,22 @@ class LeanCpu:
     `prepare`)."""
 
     def __init__(self, model: Qwen3MoeModel, form: str):
-        self.model, self.form = model, form
+        """`form`: one of lean_matrices.FORMS, or "auto" (`exact_form`)."""
+        self.model = model
+        self.group = 32  # the int4 form's group size
+        if form in ("auto", "int4"):
+            self.group = lean_matrices.exact_int4_group(
+                w for layer in model.layers for w in projections(layer)
+            )
+        if form == "int4" and self.group is None:
+            raise ValueError(
+                "int4 decode weights need a model trained through int4 groups: this model's "
+                "projections are not int4 groups exactly (use fp32 or int8)"
+            )
+        if form == "auto":
+            exact_int4 = self.group is not None and lean_matrices.int4_available()
+            form = "int4" if exact_int4 else "fp32"
+        self.form = form
         self.layers: list[LeanLayer] | None = None
         cfg = model.config
         # Read in every layer of every step: looked up once.
@@ -167,8 +193,13 @@ class LeanCpu:
         if self.layers is not None:
             return
         model = self.model
-        self.layers = [LeanLayer.of(layer, model.config, self.form) for layer in model.layers]
-        self._lm_head = lean_matrices.matrix(self.form, model.lm_head, model.final_norm)
+        self.layers = [
+            LeanLayer.of(layer, model.config, self.form, self.group) for layer in model.layers
+        ]
+        # The lm_head (the tied embedding) is not int4 in any checkpoint: int8 rows, with the
+        # logits near the best recomputed from fp32 (`logits`).
+        head_form = "int8" if self.form == "int4" else self.form
+        self._lm_head = lean_matrices.matrix(head_form, model.lm_head, model.final_norm)
         self._input_dtype = lean_matrices.INPUT_DTYPE[self.form]
         self._eps = torch.tensor(model.config.rms_norm_eps)
 
@@ -211,9 +242,10 @@ class LeanCpu:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of normed rows h [n, H] (the final norm's weight not applied yet). With
-        int8 weights, every logit within LEAN_EXACT_MARGIN of a row's best is computed again from
-        the fp32 lm_head, so greedy picks as fp32 would unless int8's rounding moved a logit by
-        half the margin; the rest stay int8's (sampling at a temperature sees them)."""
+        an int8 lm_head (the int8 and int4 forms), every logit within LEAN_EXACT_MARGIN of a
+        row's best is computed again from the fp32 lm_head, so greedy picks as fp32 would unless
+        int8's rounding moved a logit by half the margin; the rest stay int8's (sampling at a
+        temperature sees them)."""
         self.prepare()
         logits = self._lm_head.mm(h)
         if self.form == "fp32":

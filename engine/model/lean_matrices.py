@@ -1,4 +1,4 @@
-"""The weight matrices of the lean CPU forward (engine.model.lean_cpu), in one of two forms with
+"""The weight matrices of the lean CPU forward (engine.model.lean_cpu), in one of three forms with
 one interface, products of rows x [n, in]:
 
 - `Fp32Matrix`: the fp32 values, stored contiguous as [in, out] and used through the [out, in]
@@ -10,6 +10,12 @@ one interface, products of rows x [n, in]:
   The cost is rounding: a row's weights to 1/254 of its largest, the activations and results to
   bf16 (relative 2^-9). That rounding changes some greedy completions of the shipped model (whose
   FP8 blocks int8 rows cannot represent), so int8 is opt-in; fp32 is the default.
+- `Int4Matrix`: int4 values with one scale per group of input columns, the checkpoint format of a
+  model trained through int4 rounding (engine.loading.int4), multiplied by torch's
+  `_weight_int4pack_mm_for_cpu` with bf16 activations. For such a model it holds the weights
+  exactly (our int4 quantizer gives back the same values and scales for weights it wrote), so it
+  streams an eighth of fp32's bytes at the cost of activation rounding alone. `exact_int4_group`
+  says whether a model's matrices are of that kind; the form refuses a matrix that is not.
 
 An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
 is one scalar. Both are derived from the weights when built; weights changed later are not seen
@@ -22,10 +28,11 @@ import functools
 
 import torch
 
-FORMS = ("int8", "fp32")
+FORMS = ("int8", "fp32", "int4")
 # The dtype each form takes its activations in: converting a vector once, for all the products
 # it feeds, saves a conversion per product.
-INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32}
+INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32, "int4": torch.bfloat16}
+INT4_GROUPS = (32, 64, 128)  # the group sizes engine.loading.int4 writes
 
 
 class Fp32Matrix:
@@ -93,12 +100,96 @@ class Int8Matrix:
         return torch.add(add, self.mm(x), alpha=alpha)
 
 
+class Int4Matrix:
+    __slots__ = ("packed", "scales_and_zeros", "group", "in_scale")
+
+    def __init__(self, w: torch.Tensor, group: int, in_scale: torch.Tensor | None = None):
+        """w [out, in] fp32 whose values are int4 groups of `group` columns exactly (the model
+        was trained through them); in_scale [in] multiplies the activations, since folded into
+        the columns it would leave the int4 grid."""
+        q, scale = _exact_int4(w, group)
+        if q is None:
+            raise ValueError(
+                f"a [{w.shape[0]}, {w.shape[1]}] matrix is not int4 groups of {group} exactly "
+                "(or its rows are not a multiple of 16): its model was not trained through them"
+            )
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 2)
+        # [in / group, out, 2]: each group's scale and a zero point of 0 (symmetric values).
+        self.scales_and_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).to(
+            torch.bfloat16
+        )
+        self.group = group
+        self.in_scale = None if in_scale is None else in_scale.to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for one row x [in] or rows x [n, in]: [..., out], bf16 (the kernel's)."""
+        rows = x if x.dim() == 2 else x[None]
+        rows = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
+        if self.in_scale is not None:
+            rows = rows * self.in_scale
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group, self.scales_and_zeros
+        )
+        return y if x.dim() == 2 else y[0]
+
+    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha x W^T (fp32 where add is)."""
+        if alpha == 1.0:
+            return torch.add(add, self.mm(x))
+        return torch.add(add, self.mm(x), alpha=alpha)
+
+
+def _exact_int4(w: torch.Tensor, group: int):
+    """(q, scales) of w as int4 groups when they give back w exactly and the CPU kernel takes
+    its shape; (None, None) otherwise."""
+    from engine.loading import int4
+
+    if w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % group or group % 8:
+        return None, None
+    q, scale = int4.quantize(w, group)
+    back = (q.float().unflatten(1, (-1, group)) * scale[..., None]).flatten(1)
+    return (q, scale) if torch.equal(back, w.float()) else (None, None)
+
+
+def exact_int4_group(matrices) -> int | None:
+    """The group size (of INT4_GROUPS) at which every matrix is int4 groups exactly, or None:
+    whether the int4 form represents a model's weights as they are."""
+    matrices = list(matrices)
+    for group in INT4_GROUPS:
+        if matrices and all(_exact_int4(w, group)[0] is not None for w in matrices):
+            return group
+    return None
+
+
 def matrix(
-    form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None
-) -> Fp32Matrix | Int8Matrix:
+    form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None, group: int = 32
+) -> Fp32Matrix | Int8Matrix | Int4Matrix:
     if form not in FORMS:
         raise ValueError(f"lean decode weights are one of {FORMS}, not {form!r}")
+    if form == "int4":
+        return Int4Matrix(w, group, in_scale)
     return Int8Matrix(w, in_scale) if form == "int8" else Fp32Matrix(w, in_scale)
+
+
+@functools.cache
+def int4_available() -> bool:
+    """Whether this torch has the CPU int4 group product (a private op)."""
+    try:
+        w = torch.ones(16, 32, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 2)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.ones(1, 32, dtype=torch.bfloat16),
+            packed,
+            32,
+            torch.ones(1, 16, 2, dtype=torch.bfloat16),
+        )
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache  # asked at every model's construction; the answer cannot change in a process

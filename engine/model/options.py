@@ -30,10 +30,11 @@ class ModelOptions:
     moe_path: str = "auto"
     # False: the CPU's small-batch steps run the general path too (for comparisons).
     lean_decode: bool = True
-    # The lean CPU path's weights (engine.model.lean_matrices). fp32 by default: the model's own
-    # arithmetic, the same greedy answers as prefill's; "int8" streams a quarter of the bytes but
-    # rounds differently, which changes some greedy completions of the shipped model.
-    lean_weights: str = "fp32"
+    # The lean CPU path's weights (engine.model.lean_matrices). "auto": a form that holds the
+    # model's weights exactly, so its greedy answers stay the model's own: int4 for a model
+    # trained through int4 groups (an eighth of fp32's bytes), else fp32. "int8" streams a quarter
+    # of the bytes but rounds, which changes some greedy completions of the shipped model.
+    lean_weights: str = "auto"
     # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
     # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.
     moe_fn: MoeFn | None = None
@@ -41,7 +42,7 @@ class ModelOptions:
     def __post_init__(self):
         if self.moe_path not in MOE_PATHS:
             raise ValueError(f"moe_path is one of {MOE_PATHS}, not {self.moe_path!r}")
-        if self.lean_weights not in lean_matrices.FORMS:
+        if self.lean_weights not in ("auto", *lean_matrices.FORMS):
             raise ValueError(
-                f"lean_weights is one of {lean_matrices.FORMS}, not {self.lean_weights!r}"
+                f"lean_weights is auto or one of {lean_matrices.FORMS}, not {self.lean_weights!r}"
             )

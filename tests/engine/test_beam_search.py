@@ -319,7 +319,7 @@ def test_cli_beams_prints_the_search_answer_and_refuses_a_bad_width(shipped):
         "--max-tokens",
         "24",
     ]
-    if model.options.lean_weights == "fp32":
+    if model.lean.form == "fp32":
         args += ["--cpu-decode-weights", "fp32"]
     result = subprocess.run(args + ["--beams", "4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -71,7 +71,7 @@ def _decode_both(model, cache_for, steps=12, prompt=7, seed=0):
     for cache in caches:
         model.forward(ids, torch.arange(prompt)[None], cache())
     nxt = [int(ids[0, -1])] * 2
-    form = model.options.lean_weights
+    form = model.lean.form
     for pos in range(prompt, prompt + steps):
         logits = []
         for i, path in enumerate(models):
@@ -211,7 +211,7 @@ def test_options_are_fixed_and_another_model_shares_the_weights():
     with pytest.raises(ValueError, match="moe_path"):
         model.with_options(moe_path="fastest")
     with pytest.raises(ValueError, match="lean_weights"):
-        model.with_options(lean_weights="int4")
+        model.with_options(lean_weights="int2")
 
 
 @pytest.mark.parametrize("form", ["fp32", "int8"])

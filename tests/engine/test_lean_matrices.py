@@ -9,7 +9,9 @@ from engine.model.lean_matrices import (
     FORMS,
     INPUT_DTYPE,
     Fp32Matrix,
+    Int4Matrix,
     Int8Matrix,
+    exact_int4_group,
     int8_available,
     matrix,
 )
@@ -107,7 +109,9 @@ def test_forms_are_named():
     assert isinstance(matrix("int8", w), Int8Matrix) and isinstance(matrix("fp32", w), Fp32Matrix)
     assert set(FORMS) == set(INPUT_DTYPE)
     with pytest.raises(ValueError, match="lean decode weights are one of"):
-        matrix("int4", w)
+        matrix("int2", w)
+    with pytest.raises(ValueError, match="not int4 groups of 32 exactly"):
+        matrix("int4", _weights(16, 64))
 
 
 def test_int8_logits_are_exact_where_greedy_looks():
@@ -150,10 +154,72 @@ def test_each_form_computes_with_its_own_weights():
     assert not torch.equal(logits["int8"][0], logits["fp32"][0])
 
 
-def test_fp32_is_the_default_form():
-    """The default lean step computes as prefill does; int8 is asked for."""
+def test_the_default_form_holds_the_weights_exactly():
+    """The default lean step computes as prefill does (fp32 for a model not trained through int4
+    groups); int8 is asked for."""
     model = random_model(dict(TINY, vocab_size=512), dtype=torch.float32)
-    assert model.options.lean_weights == "fp32"
+    assert model.options.lean_weights == "auto" and model.lean.form == "fp32"
     assert ModelOptions(lean_weights="int8").lean_weights == "int8"
     with pytest.raises(ValueError, match="lean_weights"):
-        ModelOptions(lean_weights="int4")
+        ModelOptions(lean_weights="int2")
+
+
+def _int4_exact(out, inp, group, seed=0):
+    """Weights on the int4 grid of `group` columns, as a model trained through it has."""
+    from engine.loading import int4
+
+    q, scale = int4.quantize(_weights(out, inp, seed), group)
+    return (q.float().unflatten(1, (-1, group)) * scale[..., None]).flatten(1)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_holds_weights_trained_through_int4_exactly(group):
+    w = _int4_exact(48, 128, group, seed=group)
+    assert exact_int4_group([w]) == group
+    m = matrix("int4", w, group=group)
+    assert isinstance(m, Int4Matrix)
+    # One-hot rows read the weights back: every value as stored, no rounding.
+    assert torch.equal(m.mm(torch.eye(128)).float(), w.t())
+    g = torch.Generator().manual_seed(1)
+    x, add = torch.randn(5, 128, generator=g), torch.randn(5, 48, generator=g)
+    in_scale = 1 + 0.2 * torch.randn(128, generator=g)
+    want = (x * in_scale) @ w.t()
+    close = dict(rtol=2e-2, atol=2e-2 * want.abs().max().item())  # bf16 activations and outputs
+    scaled = matrix("int4", w, in_scale, group=group)
+    torch.testing.assert_close(scaled.mm(x).float(), want, **close)
+    torch.testing.assert_close(scaled.mm(x[0]).float(), want[0], **close)
+    torch.testing.assert_close(
+        scaled.addmm(add[0], x[0], alpha=0.5), add[0] + 0.5 * want[0], **close
+    )
+    assert m.nbytes < w.numel() * 4 / 6  # about an eighth of fp32, plus the group scales
+
+
+def test_int4_group_is_the_one_the_weights_were_quantized_with():
+    assert exact_int4_group([_int4_exact(32, 256, 128)]) == 128
+    assert exact_int4_group([_int4_exact(32, 256, 32), _weights(32, 256)]) is None
+    assert exact_int4_group([_int4_exact(8, 64, 32)]) is None  # rows the kernel can't take
+
+
+def test_int4_step_of_an_int4_trained_model_matches_its_own_arithmetic():
+    """A model whose projections are int4 groups (as one trained through them): the lean step on
+    int4 weights gives the fp32 step's logits up to bf16 activation rounding and the same
+    argmax; a model that is not int4 is refused with a clear error."""
+    quantized = random_model(
+        dict(TINY, vocab_size=512), dtype=torch.float32, seed=21, quant="int4", quant_size=32
+    )
+    base = quantized.dequantized()
+    logits = {}
+    for form in ("fp32", "int4"):
+        model = base.with_options(lean_weights=form)
+        cache = model.new_cache(1)
+        model.forward(torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], cache)
+        cache.used = 4
+        logits[form] = model.forward(torch.tensor([[9]]), torch.tensor([[4]]), cache)[0, -1]
+    assert isinstance(model.lean.layers[0].w_o, Int4Matrix)  # the step ran on int4 weights
+    rel = (logits["int4"] - logits["fp32"]).norm() / logits["fp32"].norm()
+    assert 0 < rel.item() < 2e-2
+    assert logits["int4"].argmax() == logits["fp32"].argmax()
+    plain = random_model(dict(TINY, vocab_size=512), dtype=torch.float32, seed=21)
+    with pytest.raises(ValueError, match="trained through int4"):
+        plain.with_options(lean_weights="int4")
+    assert plain.lean.form == "fp32" and base.lean.form == "int4"  # what "auto" takes

@@ -292,7 +292,7 @@ def test_healing_then_speculation(shipped):
 def test_prefix_cache_hit_then_speculation_and_a_follow_up(shipped):
     model, tok = shipped
     # The cached K/V are checked against a fresh prefill's to fp32 rounding: the lean path in fp32.
-    assert model.options.lean_weights == "fp32"
+    assert model.lean.form == "fp32"
     prompt = tok.encode(REPETITIVE)
     cold, _ = run(
         Engine(model, tok, EngineOptions(speculative=False, prefix_cache=False)),
