@@ -7,10 +7,10 @@ All the named shapes (`SHAPES`, and "embedded") take about 15 minutes on a 2-cor
 
 Each candidate is a Qwen3-MoE config: the embedded model's (vocabulary 16,000, tied embedding,
 context 1,024) with another hidden size, depth, attention heads, experts, top-k, expert width and
-optionally dense layers (`Shape`). Its random weights are written as the shipped model is written
-(the projections as FP8 64x64 blocks by the project's quantizer, engine.loading.quantize; the
-embedding, routers and norms in bf16) into a temporary folder, and `load_model` loads that folder,
-so that the model measured is the engine's loaded form and its load time is the engine's.
+optionally dense layers (`Shape`). Its random weights are written as a model trained through int4
+rounding is exported (the projections as int4 groups of 32 by the project's quantizer; the
+embedding, routers and norms in bf16) into a temporary folder, and `load_model` loads that
+folder, so that the model measured is the engine's loaded form and its load time is the engine's.
 
 For each candidate it reports:
 - parameters: the embedding, and the rest in total and active per token (as the model card counts);
@@ -18,12 +18,13 @@ For each candidate it reports:
   as `export --int4-group 32` writes), int8 rows (one bf16 scale per row: the lean step's form;
   the engine reads no such file, so it is a count), bf16; and the bytes a decode step streams;
 - load: `load_model` of the folder, then the lean CPU step's weight copies, which the engine
-  builds when it starts (fp32 and int8), on one intra-op thread: on two, a neighbour busy on one
-  of the two cores makes them collapse (BENCHMARKS.md, "Lean CPU decode step and one intra-op
+  builds when it starts (fp32, int8 and int4), on one intra-op thread: on two, a neighbour busy
+  on one of the two cores makes them collapse (BENCHMARKS.md, "Lean CPU decode step and one intra-op
   thread"), which is the host's state, not the shape's;
 - the cold single-line completion (BENCHMARKS.md, "Cold single-line completion through the
   engine"): the same FIM prompt, 24 forced new tokens, a fresh Engine, p50 of `runs` after
-  `warmups`, with the lean step's weights in fp32 and in int8; the prefill and the decode step
+  `warmups`, with the lean step's weights in fp32, int8 and int4 (the int4 form holds these
+  weights exactly: engine.model.lean_matrices); the prefill and the decode step
   (the decode time over its 23 steps) from the same runs;
 - the first token with a ~1,000-token prompt cached, as `engine.bench.first_token` measures it
   warm (the prompt one keystroke earlier in the prefix cache), and a decode step after it.
@@ -98,7 +99,8 @@ FIM_PREFIX, FIM_SUFFIX = "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n"
 NEW_TOKENS = 24
 CACHED_PROMPT_TOKENS = 1000
 CACHED_DECODE_TOKENS = 17  # a completion of these after the cached prompt: 16 decode steps
-FORMS = ("fp32", "int8")
+FORMS = ("fp32", "int8", "int4")
+FOLDER_FORMAT = "int4"  # how the random weights are written (write_folder)
 BF16, FP32 = 2, 4  # bytes per value
 
 
@@ -268,14 +270,15 @@ def accounting(config: dict) -> dict:
     k, e = config["num_experts_per_tok"], config["num_experts"]
     params = dict(embedding=0, total=0, active=0)
     disk = {"fp8-64": 0, "int4-g32": 0, "int8-rows": 0, "bf16": 0}
-    step = {"fp32": 0, "int8": 0}
+    step = {"fp32": 0, "int8": 0, "int4": 0}
     for spec in tensor_specs(config):
         n = math.prod(spec.shape)
         share = k / e if spec.expert else 1.0
         if spec.kind == "embed":
             params["embedding"] += n
-            step["fp32"] += n * FP32  # the lm_head
+            step["fp32"] += n * FP32  # the lm_head (int8 rows in the int4 form too)
             step["int8"] += _int8_bytes(*spec.shape)
+            step["int4"] += _int8_bytes(*spec.shape)
         else:
             params["total"] += n
             params["active"] += n * share
@@ -287,12 +290,13 @@ def accounting(config: dict) -> dict:
             dense_mlp = ".mlp." in spec.name and not spec.expert
             step["fp32"] += n * FP32 * share
             step["int8"] += (n * FP32 if dense_mlp else _int8_bytes(*spec.shape)) * share
+            step["int4"] += (n * FP32 if dense_mlp else _int4_bytes(*spec.shape)) * share
         else:
             for fmt in disk:
                 disk[fmt] += n * BF16
         if spec.kind == "router":
-            step["fp32"] += n * FP32
-            step["int8"] += n * FP32
+            for form in step:
+                step[form] += n * FP32
     params["active"] = round(params["active"])
     return dict(params=params, disk_bytes=disk, step_bytes={f: round(b) for f, b in step.items()})
 
@@ -460,12 +464,17 @@ class Loaded:
     def __init__(self, name: str, config: dict, folder: Path, seed: int, write: bool = True):
         """`write`: draw the random weights into `folder` (else it holds a model already)."""
         self.name, self.config, self.folder = name, config, folder
-        self.write_s = timed(lambda: write_folder(config, folder, seed))[0] / 1000 if write else 0.0
+        self.write_s = (
+            timed(lambda: write_folder(config, folder, seed, FOLDER_FORMAT))[0] / 1000
+            if write
+            else 0.0
+        )
         self.file_bytes = (folder / "model.safetensors").stat().st_size
         self.file_tensor_bytes = file_tensor_bytes(folder / "model.safetensors")
         self.load_ms: list[float] = []
         self.lean_ms: dict[str, list[float]] = {form: [] for form in FORMS}
         self.models = {}
+        self.forms = FORMS  # those its weights take: int4 needs weights on the int4 grid
 
     def time_load(self) -> None:
         """One load of the folder and one build of each form's lean copies."""
@@ -473,10 +482,12 @@ class Loaded:
         with cpu_threads.intra_op_threads(1):
             ms, model = timed(lambda: load_model(self.folder))
             self.load_ms.append(ms)
-            for form in FORMS:
+            if LeanCpu(model, "auto").form != "int4":
+                self.forms = tuple(f for f in FORMS if f != "int4")
+            for form in self.forms:
                 self.lean_ms[form].append(timed(lambda f=form: LeanCpu(model, f).prepare())[0])
         if not self.models:
-            self.models = {form: model.with_options(lean_weights=form) for form in FORMS}
+            self.models = {form: model.with_options(lean_weights=form) for form in self.forms}
             for m in self.models.values():
                 m.prepare_lean_decode()
 
@@ -502,18 +513,19 @@ def measure_pair(bench: Bench, base: Loaded, cand: Loaded) -> dict:
     for r in range(bench.load_repeat):
         for item in pair if r % 2 == 0 else pair[::-1]:
             item.time_load()
-    cold = {(item.name, form): [] for item in pair for form in FORMS}
+    forms = [f for f in FORMS if f in base.forms and f in cand.forms]
+    cold = {(item.name, form): [] for item in pair for form in forms}
     for r in range(bench.warmups + bench.runs):
-        for form in FORMS:
+        for form in forms:
             for item in pair if r % 2 == 0 else pair[::-1]:
                 run = cold_completion(
                     item.models[form], bench.tokenizer, bench.prompt, bench.script
                 )
                 if r >= bench.warmups:
                     cold[(item.name, form)].append(run)
-    cached = {(item.name, form): [] for item in pair for form in FORMS}
+    cached = {(item.name, form): [] for item in pair for form in forms}
     for r in range(bench.cached_repeat):
-        for form in FORMS:
+        for form in forms:
             for item in pair if r % 2 == 0 else pair[::-1]:
                 m = item.models[form]
                 cached[(item.name, form)].append(
@@ -523,9 +535,9 @@ def measure_pair(bench: Bench, base: Loaded, cand: Loaded) -> dict:
     def numbers(item: Loaded) -> dict:
         out = dict(
             load_ms=_median(item.load_ms),
-            lean_copies_ms={form: _median(item.lean_ms[form]) for form in FORMS},
+            lean_copies_ms={form: _median(item.lean_ms[form]) for form in forms},
         )
-        for form in FORMS:
+        for form in forms:
             runs, warm = cold[(item.name, form)], cached[(item.name, form)]
             out[form] = dict(
                 cold_p50_ms=_summary(runs, "ms"),
@@ -545,7 +557,7 @@ def measure_pair(bench: Bench, base: Loaded, cand: Loaded) -> dict:
         others_busy_cores=neighbours.others_busy_cores(),
     )
     ratios = {}
-    for form in FORMS:
+    for form in forms:
         c, b = result["candidate"][form], result["baseline"][form]
         ratios[form] = {
             key: c[key] / b[key]
@@ -596,27 +608,37 @@ def measure(
 
 
 HEADER = (
-    f"{'shape':<22} {'params M':>11} {'MB fp8/int8/int4':>17} {'load s':>9} "
-    f"{'cold p50 fp32 | int8 ms (x base)':>34} {'step ms':>11} {'1st tok ms':>11} {'others':>6}"
+    f"{'shape':<22} {'params M':>11} {'MB fp8/int8/int4':>17} {'load s (fp32/int8/int4)':>15} "
+    f"{'cold p50 fp32 | int8 | int4 ms (x base)':>50} {'step ms':>17} {'1st tok ms':>17} "
+    f"{'others':>6}"
 )
 
 
 def format_row(row: dict) -> str:
-    """One shape's line: parameters total/active, MB on disk, load with the fp32/int8 lean
-    copies, cold p50 fp32 | int8 with its ratio to the baseline, decode step fp32/int8, first
-    token cached fp32/int8, other processes' busy cores."""
+    """One shape's line: parameters total/active, MB on disk, load with each form's lean
+    copies, cold p50 per form with its ratio to the baseline, decode step and first token
+    cached per form (fp32/int8/int4; "-" where the weights do not take a form), other processes'
+    busy cores."""
     p, d, c = row["params"], row["disk_bytes"], row["candidate"]
     ratio = row["ratio_to_baseline"]
-    load_s = "/".join(f"{(c['load_ms'] + c['lean_copies_ms'][f]) / 1000:.2f}" for f in FORMS)
+    forms = [f for f in FORMS if f in c]
+
+    def per_form(fmt) -> str:
+        return "/".join(fmt(f) if f in forms else "-" for f in FORMS)
+
+    load_s = per_form(lambda f: f"{(c['load_ms'] + c['lean_copies_ms'][f]) / 1000:.2f}")
     cold = " | ".join(
-        f"{c[f]['cold_p50_ms']:6.1f} ({ratio[f].get('cold_p50_ms', 0):.2f})" for f in FORMS
+        f"{c[f]['cold_p50_ms']:6.1f} ({ratio[f].get('cold_p50_ms', 0):.2f})"
+        if f in forms
+        else f"{'-':>13}"
+        for f in FORMS
     )
     return (
         f"{row['name']:<22} {p['total'] / 1e6:5.1f}/{p['active'] / 1e6:5.1f} "
         f"{d['fp8-64'] / 1e6:5.1f}/{d['int8-rows'] / 1e6:5.1f}/{d['int4-g32'] / 1e6:5.1f} "
-        f"{load_s:>9} {cold:>34} "
-        f"{c['fp32']['step_ms']:5.2f}/{c['int8']['step_ms']:5.2f} "
-        f"{c['fp32']['cached_first_token_ms']:5.1f}/{c['int8']['cached_first_token_ms']:5.1f} "
+        f"{load_s:>15} {cold:>50} "
+        f"{per_form(lambda f: format(c[f]['step_ms'], '5.2f')):>17} "
+        f"{per_form(lambda f: format(c[f]['cached_first_token_ms'], '5.1f')):>17} "
         f"{row['others_busy_cores'] or 0:6.2f}"
     )
 
@@ -667,7 +689,8 @@ def main(argv=None) -> int:
                 f"(+{p['embedding'] / 1e6:.1f}M embedding); MB on disk fp8-64 "
                 f"{d['fp8-64'] / 1e6:.1f}, int8-rows {d['int8-rows'] / 1e6:.1f}, int4-g32 "
                 f"{d['int4-g32'] / 1e6:.1f}, bf16 {d['bf16'] / 1e6:.1f}; a step streams "
-                f"{s['fp32'] / 1e6:.1f} MB fp32, {s['int8'] / 1e6:.1f} MB int8"
+                f"{s['fp32'] / 1e6:.1f} MB fp32, {s['int8'] / 1e6:.1f} MB int8, "
+                f"{s['int4'] / 1e6:.1f} MB int4"
             )
         return 0
 

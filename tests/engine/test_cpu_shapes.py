@@ -119,7 +119,7 @@ def test_measure_on_a_tiny_shape(tiny, bench, tmp_path):
     bench.log = lines.append
     (row,) = cs.measure(bench, {"tiny": config}, ("base", config), tmp_path)
     assert row["name"] == "tiny" and row["params"] == cs.accounting(config)["params"]
-    assert row["file_tensor_bytes"] == row["disk_bytes"]["fp8-64"] < row["file_bytes"]
+    assert row["file_tensor_bytes"] == row["disk_bytes"]["int4-g32"] < row["file_bytes"]
     for side in ("candidate", "baseline"):
         numbers = row[side]
         assert numbers["load_ms"] > 0 and set(numbers["lean_copies_ms"]) == set(cs.FORMS)
