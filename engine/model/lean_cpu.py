@@ -70,8 +70,11 @@ class LeanLayer:
     down: tuple[LeanMatrix, ...]  # MoE, per expert [H, I]
 
     @classmethod
-    def of(cls, layer: LayerWeights, cfg: ModelConfig, form: str, group: int = 32) -> LeanLayer:
-        """`group`: the int4 form's group size."""
+    def of(
+        cls, layer: LayerWeights, cfg: ModelConfig, form: str, group: int = 32, codes=None
+    ) -> LeanLayer:
+        """`group`: the int4 form's group size; `codes`: the int4 (values, scales) of each of
+        `projections(layer)`, in its order, where they are known."""
         # The scale is exact when D is a power of 4 (64 is): scores come out bit-identical.
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qk_norm = torch.cat(
@@ -85,23 +88,28 @@ class LeanLayer:
         )
         moe = layer.router is not None
         norm = layer.post_attention_norm
+        weights = projections(layer)
+        pending = iter(zip(weights, codes or [None] * len(weights)))
 
-        def matrix(w, in_scale=None):
-            return lean_matrices.matrix(form, w, in_scale, group)
+        def matrix(in_scale=None):  # the next of `projections(layer)`
+            w, w_codes = next(pending)
+            return lean_matrices.matrix(form, w, in_scale, group, w_codes)
 
+        n_experts = len(layer.w_gate_up) if moe else 0
         return cls(
             qk_norm,
-            matrix(layer.w_qkv, layer.input_norm),
+            matrix(layer.input_norm),
             b_qkv,
-            matrix(layer.w_o),
+            matrix(),
             (layer.router * norm) if moe else None,
-            tuple(matrix(w, norm) for w in layer.w_gate_up) if moe else (),
-            tuple(matrix(w) for w in layer.w_down) if moe else (),
+            tuple(matrix(norm) for _ in range(n_experts)),
+            tuple(matrix() for _ in range(n_experts)),
         )
 
 
 def projections(layer: LayerWeights) -> list[torch.Tensor]:
-    """The matrices of a layer the lean forward streams in its weights' form."""
+    """The matrices of a layer the lean forward streams in its weights' form, in the order
+    `LeanLayer.of` takes them: q/k/v, o, then each expert's gate/up, then each expert's down."""
     experts = list(layer.w_gate_up) + list(layer.w_down) if layer.router is not None else []
     return [layer.w_qkv, layer.w_o, *experts]
 
@@ -166,13 +174,19 @@ class LeanCpu:
     `prepare`)."""
 
     def __init__(self, model: Qwen3MoeModel, form: str):
-        """`form`: one of lean_matrices.FORMS, or "auto" (`exact_form`)."""
+        """`form`: one of lean_matrices.FORMS, or "auto": int4 where the model's projections are
+        int4 groups exactly (lean_matrices.int4_codes), else fp32."""
         self.model = model
         self.group = 32  # the int4 form's group size
+        # Per layer, the int4 (values, scales) of its projections, until prepared.
+        self._int4_codes: list[list] | None = None
         if form in ("auto", "int4"):
-            self.group = lean_matrices.exact_int4_group(
-                w for layer in model.layers for w in projections(layer)
-            )
+            per_layer = [projections(layer) for layer in model.layers]
+            found = lean_matrices.int4_codes(w for ws in per_layer for w in ws)
+            self.group = found[0] if found else None
+            if found:
+                codes = iter(found[1])
+                self._int4_codes = [[next(codes) for _ in ws] for ws in per_layer]
         if form == "int4" and self.group is None:
             raise ValueError(
                 "int4 decode weights need a model trained through int4 groups: this model's "
@@ -181,6 +195,8 @@ class LeanCpu:
         if form == "auto":
             exact_int4 = self.group is not None and lean_matrices.int4_available()
             form = "int4" if exact_int4 else "fp32"
+        if form != "int4":
+            self._int4_codes = None
         self.form = form
         self.layers: list[LeanLayer] | None = None
         cfg = model.config
@@ -193,9 +209,12 @@ class LeanCpu:
         if self.layers is not None:
             return
         model = self.model
+        codes = self._int4_codes or [None] * len(model.layers)
         self.layers = [
-            LeanLayer.of(layer, model.config, self.form, self.group) for layer in model.layers
+            LeanLayer.of(layer, model.config, self.form, self.group, layer_codes)
+            for layer, layer_codes in zip(model.layers, codes)
         ]
+        self._int4_codes = None
         # The lm_head (the tied embedding) is not int4 in any checkpoint: int8 rows, with the
         # logits near the best recomputed from fp32 (`logits`).
         head_form = "int8" if self.form == "int4" else self.form

@@ -14,8 +14,8 @@ one interface, products of rows x [n, in]:
   model trained through int4 rounding (engine.loading.int4), multiplied by torch's
   `_weight_int4pack_mm_for_cpu` with bf16 activations. For such a model it holds the weights
   exactly (our int4 quantizer gives back the same values and scales for weights it wrote), so it
-  streams an eighth of fp32's bytes at the cost of activation rounding alone. `exact_int4_group`
-  says whether a model's matrices are of that kind; the form refuses a matrix that is not.
+  streams an eighth of fp32's bytes at the cost of activation rounding alone. `int4_codes` says
+  whether a model's matrices are of that kind; the form refuses a matrix that is not.
 
 An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
 is one scalar. Both are derived from the weights when built; weights changed later are not seen
@@ -103,11 +103,18 @@ class Int8Matrix:
 class Int4Matrix:
     __slots__ = ("packed", "scales_and_zeros", "group", "in_scale")
 
-    def __init__(self, w: torch.Tensor, group: int, in_scale: torch.Tensor | None = None):
+    def __init__(
+        self,
+        w: torch.Tensor,
+        group: int,
+        in_scale: torch.Tensor | None = None,
+        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """w [out, in] fp32 whose values are int4 groups of `group` columns exactly (the model
         was trained through them); in_scale [in] multiplies the activations, since folded into
-        the columns it would leave the int4 grid."""
-        q, scale = _exact_int4(w, group)
+        the columns it would leave the int4 grid. `codes`: w's (values, scales), where
+        `int4_codes` has found them already."""
+        q, scale = codes if codes is not None else _exact_int4(w, group)
         if q is None:
             raise ValueError(
                 f"a [{w.shape[0]}, {w.shape[1]}] matrix is not int4 groups of {group} exactly "
@@ -155,23 +162,42 @@ def _exact_int4(w: torch.Tensor, group: int):
     return (q, scale) if torch.equal(back, w.float()) else (None, None)
 
 
-def exact_int4_group(matrices) -> int | None:
-    """The group size (of INT4_GROUPS) at which every matrix is int4 groups exactly, or None:
-    whether the int4 form represents a model's weights as they are."""
+def int4_codes(matrices) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """(group, each matrix's (values, scales)) at the first group size of INT4_GROUPS that holds
+    every matrix exactly, or None: whether the int4 form represents a model's weights as they
+    are. A matrix off the grid fails at once, so a model that is not int4 costs little."""
     matrices = list(matrices)
     for group in INT4_GROUPS:
-        if matrices and all(_exact_int4(w, group)[0] is not None for w in matrices):
-            return group
+        codes = []
+        for w in matrices:
+            q, scale = _exact_int4(w, group)
+            if q is None:
+                break
+            codes.append((q, scale))
+        else:
+            if matrices:
+                return group, codes
     return None
 
 
+def exact_int4_group(matrices) -> int | None:
+    """The group size at which every matrix is int4 groups exactly (`int4_codes`), or None."""
+    found = int4_codes(matrices)
+    return found[0] if found else None
+
+
 def matrix(
-    form: str, w: torch.Tensor, in_scale: torch.Tensor | None = None, group: int = 32
+    form: str,
+    w: torch.Tensor,
+    in_scale: torch.Tensor | None = None,
+    group: int = 32,
+    codes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Fp32Matrix | Int8Matrix | Int4Matrix:
+    """w in `form`; `group` and `codes` (w's int4 values and scales, if known) for int4."""
     if form not in FORMS:
         raise ValueError(f"lean decode weights are one of {FORMS}, not {form!r}")
     if form == "int4":
-        return Int4Matrix(w, group, in_scale)
+        return Int4Matrix(w, group, in_scale, codes)
     return Int8Matrix(w, in_scale) if form == "int8" else Fp32Matrix(w, in_scale)
 
 
