@@ -243,7 +243,7 @@ def test_int4_training_sees_the_rounded_projections(dense):
     assert not hasattr(qat.model.layers[0].mlp.gate, "int4_group")
 
 
-def _export(root):
+def _export(root, group: int = GROUP):
     """A QAT model saved by `checkpoint.save` and exported through the CLI with --int4-group."""
     from engine.train import checkpoint, export
 
@@ -254,7 +254,7 @@ def _export(root):
                 p.copy_(4.0 + torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
             if not name.endswith("_proj.weight"):
                 p.copy_(p.to(torch.bfloat16).float())
-    model.set_int4_training(GROUP)
+    model.set_int4_training(group)
     model.eval()
     checkpoint.save(
         model,
@@ -272,7 +272,7 @@ def _export(root):
                 "--model-dir",
                 str(model_dir),
                 "--int4-group",
-                str(GROUP),
+                str(group),
             ]
         )
     finally:
@@ -524,3 +524,27 @@ def test_training_refuses_two_formats_and_a_bad_group():
         with pytest.raises(SystemExit):
             parse_args(base + bad)
     assert parse_args(base + ["--int4-group", "32"]).int4_group == 32
+
+
+def test_the_cpu_decode_step_streams_an_int4_export_as_it_is(tmp_path_factory):
+    """A model trained through int4 groups of 32 and exported: the engine's CPU decode step takes
+    the int4 form by default (it holds the trained weights exactly), and its greedy tokens are the
+    model's own (the general path's fp32 arithmetic on the same weights)."""
+    from engine.loading.loader import load_model
+
+    _, model_dir = _export(tmp_path_factory.mktemp("int4_export_32"), group=32)
+    model = load_model(model_dir)
+    assert model.lean.form == "int4" and model.lean.group == 32
+    general = model.with_options(lean_decode=False)
+    prompt = _ids()[:1, :6]
+    tokens = {}
+    for name, m in (("lean", model), ("general", general)):
+        cache = m.new_cache(1)
+        logits = m.forward(prompt, torch.arange(6)[None], cache)[0, -1]
+        out = []
+        for pos in range(6, 14):
+            out.append(int(logits.argmax()))
+            logits = m.forward(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache)[0, -1]
+        tokens[name] = out
+    assert tokens["lean"] == tokens["general"]
+    assert type(model.lean.layers[0].w_qkv).__name__ == "Int4Matrix"
