@@ -1,5 +1,6 @@
 """Checkpoints small enough to come back from the GPU machine: bf16 weights in shards of at most
-~16 MB (safetensors, HF parameter names), plus `state.json` (step, tokens seen, run history).
+~16 MB (safetensors, HF parameter names), plus `state.json` (step, tokens seen, run history) and
+the model's `config.json` (its shape, which need not be the shipped model's).
 
 Adam moments are not saved (fp32 moments would be ~180 MB): a resumed run restarts the optimizer
 with a short warm-up, which costs a few dozen steps, not quality.
@@ -20,9 +21,10 @@ from engine.loading.fp8 import SCALE_SUFFIX, block_size, dequantize
 SHARD_BYTES = 16_000_000
 
 
-def save(model: torch.nn.Module, state: dict, out: Path) -> None:
+def save(model: torch.nn.Module, state: dict, out: Path, config: dict | None = None) -> None:
     """Written whole into a side folder, then renamed over `out`, so a copy taken while a run
-    is saving never pairs shards or state of two different steps."""
+    is saving never pairs shards or state of two different steps. `config`: the model's
+    config.json, kept beside the weights so an export writes the shape that was trained."""
     final, out = Path(out), Path(str(out) + ".tmp")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -42,6 +44,9 @@ def save(model: torch.nn.Module, state: dict, out: Path) -> None:
             metadata={"format": "pt"},
         )
     (out / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    if config is not None:
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        (out / "config.json").write_text(json.dumps(plain, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     out.rename(final)
 

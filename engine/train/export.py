@@ -14,6 +14,7 @@ group-scaled int4 in compressed-tensors' pack-quantized format, engine/loading/i
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -50,13 +51,25 @@ def trained_context(state: dict) -> int:
     )
 
 
+def trained_shape(ckpt: Path) -> dict:
+    """The config.json a checkpoint (or an exported folder) holds, without its quantization,
+    else CONFIG."""
+    path = Path(ckpt) / "config.json"
+    if not path.exists():
+        return dict(CONFIG)
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    return config
+
+
 def export(
     ckpt: Path, model_dir: Path, fp8_block: int | None = None, int4_group: int | None = None
 ) -> Path:
     weights = {k: v.contiguous() for k, v in sorted(checkpoint.load_weights(ckpt).items())}
-    # Grown runs differ from CONFIG.
+    # The shape the checkpoint records (a model trained from scratch at another size), else
+    # CONFIG's (checkpoints from before it was recorded); grown runs' experts from the weights.
     config = {
-        **CONFIG,
+        **trained_shape(ckpt),
         "moe_intermediate_size": expert_width(weights),
         "num_experts": expert_count(weights),
         "max_position_embeddings": trained_context(checkpoint.load_state(ckpt)),

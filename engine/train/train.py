@@ -359,6 +359,7 @@ def main(argv=None) -> None:
                 "runs": state["runs"] + [{**run, "end_step": state["step"]}],
             },
             args.out / "ckpt",
+            config,
         )
 
     t0 = last_eval = last_save = time.time()
