@@ -659,6 +659,12 @@ def main(argv=None) -> int:
         "[head_dim, dense_layers, dense_inter]}}: more candidates",
     )
     ap.add_argument("--list", action="store_true", help="list the shapes with their sizes")
+    ap.add_argument(
+        "--config",
+        metavar="NAME",
+        help="print the config.json of a named shape (to train it: SHAPE= of "
+        "engine/train/gpu_session.sh) and exit",
+    )
     ap.add_argument("--runs", type=int, default=20, help="cold runs per shape and form (p50)")
     ap.add_argument("--warmups", type=int, default=2)
     ap.add_argument("--cached-repeat", type=int, default=5)
@@ -672,6 +678,11 @@ def main(argv=None) -> int:
         for name, fields in json.loads(args.shapes_file.read_text()).items():
             fields["dense_layers"] = tuple(fields.get("dense_layers", ()))
             known[name] = Shape(**fields)
+    if args.config:
+        if args.config not in known:
+            ap.error(f"unknown shape {args.config!r}; known: {', '.join(known)}")
+        print(json.dumps(known[args.config].config(), indent=2))
+        return 0
     names = args.shapes.split(",") if args.shapes else ["embedded", *known]
     for name in names:
         if name not in known and name != "embedded":
