@@ -32,7 +32,8 @@ FORMS = ("int8", "fp32", "int4")
 # The dtype each form takes its activations in: converting a vector once, for all the products
 # it feeds, saves a conversion per product.
 INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32, "int4": torch.bfloat16}
-INT4_GROUPS = (32, 64, 128)  # the group sizes engine.loading.int4 writes
+INT4_GROUPS = (32, 64, 128)  # the group sizes engine.loading.int4 writes that the kernel takes
+INT4_MAX = 7  # the largest magnitude of each group's values, as that quantizer writes them
 
 
 class Fp32Matrix:
@@ -151,15 +152,22 @@ class Int4Matrix:
 
 
 def _exact_int4(w: torch.Tensor, group: int):
-    """(q, scales) of w as int4 groups when they give back w exactly and the CPU kernel takes
-    its shape; (None, None) otherwise."""
-    from engine.loading import int4
-
+    """(values int8 [out, in], scales fp32 [out, in / group]) of w as symmetric int4 groups whose
+    largest magnitude is 7 (as the project's quantizer writes them, engine.loading.int4) when
+    they give back w exactly, with scales exact in bf16 (the kernel's), and the CPU kernel takes
+    w's shape; (None, None) otherwise."""
     if w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % group or group % 8:
         return None, None
-    q, scale = int4.quantize(w, group)
-    back = (q.float().unflatten(1, (-1, group)) * scale[..., None]).flatten(1)
-    return (q, scale) if torch.equal(back, w.float()) else (None, None)
+    groups = w.float().unflatten(1, (-1, group))
+    amax = groups.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax))
+    q = groups / scale[..., None]
+    exact = (
+        torch.equal(q, q.round())
+        and torch.equal(q * scale[..., None], groups)
+        and torch.equal(scale.to(torch.bfloat16).float(), scale)
+    )
+    return (q.flatten(1).to(torch.int8), scale) if exact else (None, None)
 
 
 def int4_codes(matrices) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
