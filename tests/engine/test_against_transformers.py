@@ -155,3 +155,19 @@ def test_sharded_and_bf16_checkpoints_load(checkpoint_factory):
             expected = reference(tokens).logits.float()
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         assert _max_rel(logits[0], expected[0]) < tolerance
+
+
+def test_cli_refuses_int4_decode_weights_for_a_model_not_trained_through_them(checkpoint_factory):
+    """Asked for int4 on a model whose weights are not int4 groups, the command names the
+    problem and fails instead of streaming rounded weights."""
+    path = checkpoint_factory()
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--model", str(path), "--prompt", "x"]
+        + ["--max-tokens", "4", "--cpu-decode-weights", "int4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "trained through int4 groups" in result.stderr
+    assert "Traceback" not in result.stderr
