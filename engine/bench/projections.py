@@ -26,8 +26,8 @@ from kernels.quant import dequantize, nbytes
 
 # (block_n, block_k, num_warps, split_k); split_k None: the kernel's default_split_k.
 TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)))
-DEFAULT_TILE = (16, 256, 4, None)
-UNSPLIT_TILE = (16, 256, 4, 1)
+DEFAULT_TILE = (32, 256, 4, None)
+UNSPLIT_TILE = (32, 256, 4, 1)
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -88,6 +88,7 @@ def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
         unsplit_us=times.get(UNSPLIT_TILE),
         best_us=times[best],
         best_tile=dict(block_n=best[0], block_k=best[1], num_warps=best[2], split_k=best[3]),
+        tiles_us={"x".join(str(v) for v in tile): us for tile, us in times.items()},
     )
     return out
 
