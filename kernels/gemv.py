@@ -290,7 +290,7 @@ def skinny_linear(
     x: torch.Tensor,
     w: Weight,
     bias: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int = 16,
     block_k: int = 256,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -315,7 +315,7 @@ def norm_linear(
     eps: float,
     w: Weight,
     bias: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int = 16,
     block_k: int = 256,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -338,9 +338,8 @@ class _Tiles:
     split_k: int | None
 
 
-# Enough programs to keep every SM streaming: a few per SM. With the default tile (32 rows, K
-# steps of 256) it gives the splits the H100's sweep found best (BENCHMARKS.md, "Splitting K in
-# the skinny GEMV").
+# Enough programs to keep every SM streaming: a few per SM (BENCHMARKS.md, "Splitting K in the
+# skinny GEMV": the default tile with this split, against the same tile unsplit and the sweep).
 PROGRAMS_PER_SM = 4
 
 

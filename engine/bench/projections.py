@@ -26,8 +26,8 @@ from kernels.quant import dequantize, nbytes
 
 # (block_n, block_k, num_warps, split_k); split_k None: the kernel's default_split_k.
 TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)))
-DEFAULT_TILE = (32, 256, 4, None)
-UNSPLIT_TILE = (32, 256, 4, 1)
+DEFAULT_TILE = (16, 256, 4, None)
+UNSPLIT_TILE = (16, 256, 4, 1)
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
