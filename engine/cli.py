@@ -211,10 +211,10 @@ FIT_MEMORY_HELP = (
 
 CPU_DECODE_WEIGHTS_HELP = (
     "weights of the CPU's one-sequence decode step: auto (the default) takes a form that holds "
-    "the model's weights exactly, so the answers are the model's own: int4 for a model trained "
-    "through int4 groups (an eighth of fp32's bytes), else fp32; int8 streams a quarter of "
-    "fp32's bytes, but its rounding changes some completions; int4 is refused for a model not "
-    "trained through it"
+    "the model's weights exactly: int4 for a model trained through int4 groups (an eighth of "
+    "fp32's bytes; only the activations are rounded, to bf16), else fp32, which computes as "
+    "prefill does; int8 streams a quarter of fp32's bytes but rounds the weights, which changes "
+    "some completions; int4 is refused for a model not trained through it"
 )
 
 

@@ -359,6 +359,7 @@ def _sm_count(index: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor | None] = []
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
@@ -367,6 +368,8 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     graph's capture: the step's warm-up runs first."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < needed:
+        # A graph captured earlier keeps the old buffer's address: it is kept alive too.
+        _OUTGROWN.append(counters)
         counters = torch.zeros(max(needed, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters

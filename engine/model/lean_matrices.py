@@ -31,7 +31,9 @@ import torch
 FORMS = ("int8", "fp32", "int4")
 # The dtype each form takes its activations in: converting a vector once, for all the products
 # it feeds, saves a conversion per product.
-INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32, "int4": torch.bfloat16}
+# int4 takes fp32: its products scale the activations first (the norm weight it cannot fold), and
+# one rounding to bf16 after that scale is the kernel's only input rounding.
+INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32, "int4": torch.float32}
 INT4_GROUPS = (32, 64, 128)  # the group sizes engine.loading.int4 writes that the kernel takes
 INT4_MAX = 7  # the largest magnitude of each group's values, as that quantizer writes them
 
@@ -127,7 +129,7 @@ class Int4Matrix:
             torch.bfloat16
         )
         self.group = group
-        self.in_scale = None if in_scale is None else in_scale.to(torch.bfloat16)
+        self.in_scale = None if in_scale is None else in_scale.float()
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +138,9 @@ class Int4Matrix:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T for one row x [in] or rows x [n, in]: [..., out], bf16 (the kernel's)."""
         rows = x if x.dim() == 2 else x[None]
+        if self.in_scale is not None:  # scaled in fp32, then rounded once
+            rows = rows.float() * self.in_scale
         rows = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
-        if self.in_scale is not None:
-            rows = rows * self.in_scale
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, self.group, self.scales_and_zeros
         )

@@ -31,9 +31,10 @@ class ModelOptions:
     # False: the CPU's small-batch steps run the general path too (for comparisons).
     lean_decode: bool = True
     # The lean CPU path's weights (engine.model.lean_matrices). "auto": a form that holds the
-    # model's weights exactly, so its greedy answers stay the model's own: int4 for a model
-    # trained through int4 groups (an eighth of fp32's bytes), else fp32. "int8" streams a quarter
-    # of the bytes but rounds, which changes some greedy completions of the shipped model.
+    # model's weights exactly: int4 for a model trained through int4 groups (an eighth of fp32's
+    # bytes; activations rounded to bf16, the lm_head int8 with the logits near the best in fp32,
+    # so greedy picks are fp32's but for near-ties), else fp32, the model's own arithmetic. "int8"
+    # streams a quarter of the bytes but rounds the weights, which changes some greedy completions.
     lean_weights: str = "auto"
     # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
     # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.

@@ -7,9 +7,10 @@
 #                                       travels over several calls; the machine keeps them while warm)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
-#                                       training (resuming from RESUME: the shipped model unless set;
-#                                       SHAPE=config.json starts a model of that shape from scratch,
-#                                       or resumes RESUME at it) and watch it
+#                                       training and watch it: resuming the shipped model, or
+#                                       RESUME=DIR (a checkpoint or export: its recorded config.json
+#                                       is the shape), or SHAPE=config.json alone: a model of that
+#                                       shape from scratch
 #   watch SECONDS                        print progress for that long, copy the latest checkpoint out
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
 #
@@ -45,17 +46,21 @@ copy_out() {  # the newest checkpoint, and one archive of the logs and the corpu
 running() { [ -f "$RUN/pid" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
 
 model_dir() {  # the folder the trainer reads config.json and tokenizer.json from
-    if [ -n "${SHAPE:-}" ]; then
-        mkdir -p "$RUN/model" && cp "$SHAPE" "$RUN/model/config.json" \
-            && cp $MODEL/tokenizer.json $MODEL/tokenizer_config.json "$RUN/model/" && echo "$RUN/model"
-    else
-        echo $MODEL
+    local config=${SHAPE:-}
+    if [ -z "$config" ] && [ -n "${RESUME:-}" ] && [ -f "$RESUME/config.json" ]; then
+        config=$RESUME/config.json
     fi
+    if [ -z "$config" ]; then echo "$MODEL"; return; fi
+    mkdir -p "$RUN/model" && cp "$config" "$RUN/model/config.json" \
+        && cp "$MODEL/tokenizer.json" "$MODEL/tokenizer_config.json" "$RUN/model/" \
+        && echo "$RUN/model"
 }
 
 launch() {  # trainer args
-    local resume=${RESUME-$MODEL}  # RESUME= (empty) with SHAPE: from scratch
-    setsid nohup $py -m engine.train.train --model-dir "$(model_dir)" --corpus .corpus \
+    local dir resume
+    dir=$(model_dir) || { echo "cannot prepare the model folder (SHAPE=${SHAPE:-})"; exit 1; }
+    if [ -n "${SHAPE:-}" ]; then resume=${RESUME:-}; else resume=${RESUME:-$MODEL}; fi
+    setsid nohup $py -m engine.train.train --model-dir "$dir" --corpus .corpus \
         --out "$RUN/out" ${resume:+--resume "$resume"} "$@" >> "$RUN/train.log" 2>&1 < /dev/null &
     echo $! > "$RUN/pid"
 }

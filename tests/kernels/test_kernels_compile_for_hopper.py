@@ -168,6 +168,10 @@ def skinny_gemv_compiles(fmt):
         )
         assert ("griddepcontrol" in ptx) == pdl
         assert ("atom.global" in ptx) == (split_k > 1)
+        if pdl:  # no store or arrival before the predecessor is done
+            assert ptx.index("griddepcontrol.wait") < ptx.index("st.global")
+        if pdl and split_k > 1:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
 
 
 def qk_norm_rope_store_compiles():
