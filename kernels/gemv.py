@@ -359,7 +359,7 @@ def _sm_count(index: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor | None] = []
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
@@ -368,8 +368,8 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
     graph's capture: the step's warm-up runs first."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < needed:
-        # A graph captured earlier keeps the old buffer's address: it is kept alive too.
-        _OUTGROWN.append(counters)
+        if counters is not None:  # a graph captured earlier keeps its address: kept alive
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(needed, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
@@ -401,6 +401,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
     else:
         total = x
     y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
+    chained = pdl and pdl_supported(x.device)
     _skinny_kernel[(n_stripes, split_k)](
         x,
         delta if delta is not None else x,
@@ -433,9 +434,9 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
         SCALE_COLS=kw.scale_cols,
         PER_ITEM=kw.per_item,
         SPLIT_K=split_k,
-        PDL=pdl and pdl_supported(x.device),
+        PDL=chained,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        **launch_options(pdl and pdl_supported(x.device)),
+        **launch_options(chained),
     )
     return total, y

@@ -482,10 +482,12 @@ class Loaded:
         with cpu_threads.intra_op_threads(1):
             ms, model = timed(lambda: load_model(self.folder))
             self.load_ms.append(ms)
-            if LeanCpu(model, "auto").form != "int4":
+            if model.lean.form != "int4":  # load_model's "auto" found no int4 grid
                 self.forms = tuple(f for f in FORMS if f != "int4")
             for form in self.forms:
-                self.lean_ms[form].append(timed(lambda f=form: LeanCpu(model, f).prepare())[0])
+                # The form load_model chose has its int4 check done already, as the engine's has.
+                lean = model.lean if form == model.lean.form else LeanCpu(model, form)
+                self.lean_ms[form].append(timed(lean.prepare)[0])
         if not self.models:
             self.models = {form: model.with_options(lean_weights=form) for form in self.forms}
             for m in self.models.values():

@@ -69,7 +69,22 @@ class Fp32Matrix:
         return torch.addmm(add, x, self.t.t(), alpha=alpha)
 
 
-class Int8Matrix:
+class _KernelMatrix:
+    """A form whose product is a kernel with bf16 results (`mm`): the add happens after it."""
+
+    __slots__ = ()
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha x W^T (fp32 where add is)."""
+        if alpha == 1.0:  # an add without alpha dispatches faster
+            return torch.add(add, self.mm(x))
+        return torch.add(add, self.mm(x), alpha=alpha)
+
+
+class Int8Matrix(_KernelMatrix):
     __slots__ = ("q", "scale")
 
     def __init__(self, w: torch.Tensor, in_scale: torch.Tensor | None = None):
@@ -96,14 +111,8 @@ class Int8Matrix:
         )
         return y if x.dim() == 2 else y[0]
 
-    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """add + alpha x W^T (fp32 where add is)."""
-        if alpha == 1.0:  # an add without alpha dispatches faster
-            return torch.add(add, self.mm(x))
-        return torch.add(add, self.mm(x), alpha=alpha)
 
-
-class Int4Matrix:
+class Int4Matrix(_KernelMatrix):
     __slots__ = ("packed", "scales_and_zeros", "group", "in_scale")
 
     def __init__(
@@ -146,12 +155,6 @@ class Int4Matrix:
         )
         return y if x.dim() == 2 else y[0]
 
-    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """add + alpha x W^T (fp32 where add is)."""
-        if alpha == 1.0:
-            return torch.add(add, self.mm(x))
-        return torch.add(add, self.mm(x), alpha=alpha)
-
 
 def _exact_int4(w: torch.Tensor, group: int):
     """(values int8 [out, in], scales fp32 [out, in / group]) of w as symmetric int4 groups whose
@@ -188,12 +191,6 @@ def int4_codes(matrices) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] 
             if matrices:
                 return group, codes
     return None
-
-
-def exact_int4_group(matrices) -> int | None:
-    """The group size at which every matrix is int4 groups exactly (`int4_codes`), or None."""
-    found = int4_codes(matrices)
-    return found[0] if found else None
 
 
 def matrix(

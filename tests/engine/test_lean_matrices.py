@@ -11,7 +11,7 @@ from engine.model.lean_matrices import (
     Fp32Matrix,
     Int4Matrix,
     Int8Matrix,
-    exact_int4_group,
+    int4_codes,
     int8_available,
     matrix,
 )
@@ -162,6 +162,12 @@ def test_the_default_form_holds_the_weights_exactly():
     assert ModelOptions(lean_weights="int8").lean_weights == "int8"
     with pytest.raises(ValueError, match="lean_weights"):
         ModelOptions(lean_weights="int2")
+
+
+def exact_int4_group(matrices):
+    """The group size at which every matrix is int4 groups exactly, or None."""
+    found = int4_codes(matrices)
+    return found[0] if found else None
 
 
 def _int4_exact(out, inp, group, seed=0):
