@@ -92,8 +92,9 @@ LANG_BY_SUFFIX = {
     ".pm": "perl",
     ".pl": "perl",
 }
-# The suffixes npm packages were read with when their part was built: more would change that part.
-NPM_SUFFIXES = {".js", ".mjs", ".cjs", ".ts", ".mts", ".cts"}
+# The suffixes npm packages were read with when their part was built (.py included: a package's
+# Python port is one train file of the recorded manifest); more or fewer would change that part.
+NPM_SUFFIXES = {".py", ".js", ".mjs", ".cjs", ".ts", ".mts", ".cts"}
 LANG_TOTALS = ("train_files", "heldout_files", "train_bytes", "heldout_bytes")
 # What engine.train.fetch_debian writes next to each unpacked Debian package.
 DEBIAN_RECORD = "debian-source.json"

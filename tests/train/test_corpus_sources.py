@@ -527,3 +527,15 @@ def test_gpu_session_stages_parts_and_start_trains_on_exactly_them(tmp_path):
     assert calls[1].startswith("-m engine.train.train") and calls[1].endswith(
         "--budget-s 100 --lr 1e-3"
     )
+
+
+def test_npm_packages_are_read_with_the_recorded_suffixes(tmp_path):
+    """The committed manifest's npm part read .py files too (one package ships a Python port):
+    reading fewer suffixes would rebuild that part one file short."""
+    pkg = tmp_path / "node_modules" / "flat"
+    _write(pkg / "package.json", json.dumps({"name": "flat", "version": "1.0.0", "license": "ISC"}))
+    for rel in ("index.js", "types.d.ts", "python/flat.py", "x.min.js", "README.md", "x.json"):
+        _write(pkg / rel, "x = 1\n")
+    _write(pkg / "node_modules/dep/index.js", "x = 1\n")
+    (source,) = corpus.npm_sources(tmp_path, [])
+    assert source.files == ["index.js", "python/flat.py", "types.d.ts"]
