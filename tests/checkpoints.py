@@ -130,12 +130,12 @@ def lean_path_model(variant: str, form: str = "fp32"):
     return model
 
 
-def scaled_training_model(config: dict, seed: int = 0, dense: bool = False):
+def scaled_training_model(config: dict, seed: int = 0, moe: str = "sparse"):
     """engine/train/model.py's Qwen3MoeLM, its weights 4x init: large enough that routing and
     experts matter when two forwards are compared."""
     from engine.train.model import Qwen3MoeLM
 
-    model = Qwen3MoeLM(config, dense_moe=dense)
+    model = Qwen3MoeLM(config, moe=moe)
     model.init_weights(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -10,7 +10,8 @@
 #                                       training and watch it: resuming the shipped model, or
 #                                       RESUME=DIR (a checkpoint or export: its recorded config.json
 #                                       is the shape), or SHAPE=config.json alone: a model of that
-#                                       shape from scratch
+#                                       shape from scratch; if no step comes within minutes, it
+#                                       starts again with FALLBACK's args (default --compile off)
 #   watch SECONDS                        print progress for that long, copy the latest checkpoint out
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
 #
@@ -115,16 +116,19 @@ start)
         --heldout-list-out "$RUN/heldout-gpu.txt" "${fetched[@]}" || exit 1
     echo "corpus built here in $((SECONDS - t0)) s"; ls -la .corpus
     launch --budget-s "$budget" "$@"
-    # A failure of the compiled step shows within minutes: fall back to the plain eager path.
+    # A failure of the compiled step shows within minutes: fall back to FALLBACK's arguments
+    # (after the run's own, so they win; default: the plain eager path).
     for _ in $(seq 40); do
         sleep 10
         grep -q "^step=" "$RUN/train.log" && break
         running || break
     done
     if ! grep -q "^step=" "$RUN/train.log"; then
-        tail -30 "$RUN/train.log"; echo "compiled step failed: falling back to eager"
+        fallback=${FALLBACK:---compile off}
+        tail -30 "$RUN/train.log"; echo "the first step failed: falling back to $fallback"
         stop
-        launch --budget-s "$((budget - SECONDS))" --compile off "$@"
+        # shellcheck disable=SC2086
+        launch --budget-s "$((budget - SECONDS))" "$@" $fallback
     fi
     # Return before the call's limit (copy_out's FP8 export takes a few seconds more); the run
     # goes on, and the machine stays only briefly between calls, so chain the next call at once.

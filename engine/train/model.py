@@ -119,25 +119,35 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# The grouped GEMM reads each expert's rows from a 16-row boundary (its TMA alignment on Hopper).
+GROUP_ROWS = 16
+MOE_FORMS = ("sparse", "dense", "grouped")
+
+
 class SparseMoe(nn.Module):
-    """Top-k MoE with two interchangeable forms of one function:
+    """Top-k MoE with three interchangeable forms of one function (`MOE_FORMS`):
 
     - sparse (expert-centric): sort token slots by expert, one matmul chain per expert. Least
       arithmetic, but data-dependent shapes and a host sync per layer.
     - dense: every expert on every token as three wide matmuls over the experts' stacked weights,
-      with unrouted experts weighted exactly 0. Four times the expert arithmetic at top-2 of 8, but
-      static shapes and no sync, so `torch.compile` fuses the layer; much faster for this tiny
-      model on a GPU, where the step is bound by memory traffic and launches, not by matmuls.
+      with unrouted experts weighted exactly 0. E/top_k times the expert arithmetic, but static
+      shapes and no sync, so `torch.compile` fuses the layer.
+    - grouped: the sparse form's arithmetic with static shapes: token slots sorted by expert into
+      one buffer of fixed size (each expert's rows padded with zero rows to GROUP_ROWS), and each
+      projection one grouped GEMM (`torch._grouped_mm`) over all experts. No host sync, so it
+      compiles like the dense form without the dense form's wasted experts.
     """
 
-    def __init__(self, c: dict, dense: bool = False):
+    def __init__(self, c: dict, form: str = "sparse"):
         super().__init__()
+        if form not in MOE_FORMS:
+            raise ValueError(f"MoE form {form!r} is not one of {MOE_FORMS}")
         self.top_k, self.n_experts, self.norm_topk = (
             c["num_experts_per_tok"],
             c["num_experts"],
             c["norm_topk_prob"],
         )
-        self.dense = dense
+        self.form = form
         self.gate = nn.Linear(c["hidden_size"], self.n_experts, bias=False)
         self.experts = nn.ModuleList(
             Expert(c["hidden_size"], c["moe_intermediate_size"]) for _ in range(self.n_experts)
@@ -156,7 +166,7 @@ class SparseMoe(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         top_w, top_i, aux = self.route(x)
-        out = self._dense(x, top_w, top_i) if self.dense else self._sparse(x, top_w, top_i)
+        out = getattr(self, f"_{self.form}")(x, top_w, top_i)
         return out.reshape(shape), aux
 
     def _sparse(self, x, top_w, top_i):
@@ -171,11 +181,15 @@ class SparseMoe(nn.Module):
         ys = torch.cat(outs) * top_w.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
 
+    def _stacked(self, name: str) -> torch.Tensor:
+        """One projection of every expert, as the forward pass sees it: [E, out, in]."""
+        return torch.stack([getattr(e, name).effective_weight() for e in self.experts])
+
     def _dense(self, x, top_w, top_i):
         n, inter = x.shape[0], self.experts[0].gate_proj.weight.shape[0]
-        gate_w = torch.cat([e.gate_proj.effective_weight() for e in self.experts])  # [E*I, H]
-        up_w = torch.cat([e.up_proj.effective_weight() for e in self.experts])  # [E*I, H]
-        down_w = torch.cat([e.down_proj.effective_weight() for e in self.experts], 1)  # [H, E*I]
+        gate_w = self._stacked("gate_proj").flatten(0, 1)  # [E*I, H]
+        up_w = self._stacked("up_proj").flatten(0, 1)  # [E*I, H]
+        down_w = torch.cat(list(self._stacked("down_proj")), 1)  # [H, E*I]
         # [N, E] routing weights, 0 for the experts a token is not routed to.
         weights = torch.zeros(n, self.n_experts, device=x.device, dtype=top_w.dtype).scatter(
             1, top_i, top_w
@@ -184,14 +198,51 @@ class SparseMoe(nn.Module):
         h = (h.view(n, self.n_experts, inter) * weights[:, :, None].to(h.dtype)).view(n, -1)
         return F.linear(h, down_w)
 
+    def _grouped(self, x, top_w, top_i):
+        n_slots = top_i.numel()
+        rows = n_slots + self.n_experts * GROUP_ROWS  # static: enough for any routing
+        flat_e = top_i.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        sorted_e = flat_e[order]
+        # Counted by scatter, not bincount, whose output size depends on the data.
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_e, torch.ones_like(flat_e)
+        )
+        padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+        padded_start = torch.cumsum(padded, 0) - padded
+        start = torch.cumsum(counts, 0) - counts
+        # The buffer row of each sorted slot: its expert's padded start plus its rank there.
+        dest = padded_start[sorted_e] + torch.arange(n_slots, device=x.device) - start[sorted_e]
+        # Group ends; the last group takes the buffer's spare rows (zeros in, zeros out), so
+        # every row the GEMMs write is defined.
+        ends = torch.cat([torch.cumsum(padded, 0)[:-1], padded.new_full((1,), rows)])
+        ends = ends.to(torch.int32)
+        token_of_slot = order // self.top_k
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
+        xs = x.new_zeros(rows, x.shape[1], dtype=dtype).index_copy(
+            0, dest, x[token_of_slot].to(dtype)
+        )
+
+        def grouped(a, name):  # a [rows, in] @ each expert's [out, in]^T -> [rows, out]
+            w = self._stacked(name).to(dtype).transpose(1, 2)
+            return torch._grouped_mm(a, w, offs=ends)
+
+        h = F.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj")
+        ys = grouped(h, "down_proj")[dest] * top_w.reshape(-1)[order, None].to(dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: dict, dense_moe: bool = False):
+    def __init__(self, c: dict, moe: str = "sparse"):
         super().__init__()
         self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = SparseMoe(c, dense_moe)
+        self.mlp = SparseMoe(c, moe)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -200,21 +251,19 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: dict, dense_moe: bool = False):
+    def __init__(self, c: dict, moe: str = "sparse"):
         super().__init__()
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(
-            DecoderLayer(c, dense_moe) for _ in range(c["num_hidden_layers"])
-        )
+        self.layers = nn.ModuleList(DecoderLayer(c, moe) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
 
 class Qwen3MoeLM(nn.Module):
-    def __init__(self, config: dict, dense_moe: bool = False):
+    def __init__(self, config: dict, moe: str = "sparse"):
         super().__init__()
         assert config["tie_word_embeddings"] and not config["mlp_only_layers"]
         self.config = config
-        self.model = Backbone(config, dense_moe)
+        self.model = Backbone(config, moe)
 
     def init_weights(self, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -34,7 +34,7 @@ from .data import (
 )
 from .export import quant_flags_error
 from .grow import add_experts, copy_sources, expert_count, expert_width, router_loads, widen_experts
-from .model import Qwen3MoeLM
+from .model import MOE_FORMS, Qwen3MoeLM
 
 
 def parse_args(argv=None):
@@ -124,9 +124,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--moe",
-        choices=["auto", "dense", "sparse"],
+        choices=["auto", *MOE_FORMS],
         default="auto",
-        help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; same function)",
+        help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; the same function)",
     )
     ap.add_argument(
         "--compile",
@@ -140,7 +140,8 @@ def parse_args(argv=None):
     if not 0.0 <= args.final_lr_frac <= 1.0:
         ap.error("--final-lr-frac must be within [0, 1]")
     on_gpu = args.device.startswith("cuda")
-    args.dense_moe = args.moe == "dense" or (args.moe == "auto" and on_gpu)
+    if args.moe == "auto":
+        args.moe = "dense" if on_gpu else "sparse"
     args.compile = args.compile == "on" or (args.compile == "auto" and on_gpu)
     return args
 
@@ -271,7 +272,7 @@ def main(argv=None) -> None:
                 flush=True,
             )
         config = {**config, "num_experts": args.add_experts}
-    model = Qwen3MoeLM(config, dense_moe=args.dense_moe)
+    model = Qwen3MoeLM(config, moe=args.moe)
     if args.fp8_block:
         model.set_fp8_training(args.fp8_block)
         run["fp8_block"] = args.fp8_block
@@ -290,8 +291,7 @@ def main(argv=None) -> None:
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"params {n_params:,}; device {device}; moe {'dense' if args.dense_moe else 'sparse'}; "
-        f"compile {args.compile}",
+        f"params {n_params:,}; device {device}; moe {args.moe}; compile {args.compile}",
         flush=True,
     )
     # The compiled step shares the module's parameters; checkpoints and evals use the plain module.

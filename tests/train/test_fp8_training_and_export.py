@@ -20,7 +20,7 @@ from engine.loading.fp8 import (
     fake_quantize,
     quantize,
 )
-from engine.train.model import Linear, Qwen3MoeLM
+from engine.train.model import MOE_FORMS, Linear, Qwen3MoeLM
 
 BLOCK = 32
 # Every dim a multiple of the block; then neither dim one (ragged last blocks both ways).
@@ -202,13 +202,13 @@ def _projections(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("moe", MOE_FORMS)
 @torch.enable_grad()
-def test_fp8_training_sees_the_dequantized_projections(dense):
+def test_fp8_training_sees_the_dequantized_projections(moe):
     block = 16
-    qat = tiny_model(seed=6, dense=dense)
-    plain = tiny_model(seed=6, dense=dense)
-    rounded = tiny_model(seed=6, dense=dense)
+    qat = tiny_model(seed=6, moe=moe)
+    plain = tiny_model(seed=6, moe=moe)
+    rounded = tiny_model(seed=6, moe=moe)
     projections = _projections(rounded)
     assert len(projections) == TINY["num_hidden_layers"] * (4 + 3 * TINY["num_experts"])
     with torch.no_grad():

@@ -10,20 +10,20 @@ import torch.nn.functional as F
 from tiny_training import EXPORT_BLOCK, EXPORT_TINY, TINY, export_fp8, tiny_model
 
 from engine.train.grow import expert_width, widen_experts
-from engine.train.model import Qwen3MoeLM
+from engine.train.model import MOE_FORMS, Qwen3MoeLM
 
 # --- widening the experts ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("moe", MOE_FORMS)
 @torch.enable_grad()
-def test_widened_experts_compute_the_same_function(dense):
-    model = tiny_model(dense=dense)
+def test_widened_experts_compute_the_same_function(moe):
+    model = tiny_model(moe=moe)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     assert expert_width(weights) == 32
     grown = widen_experts(weights, 48, std=0.5, seed=1)
     assert expert_width(grown) == 48
-    wide = Qwen3MoeLM({**TINY, "moe_intermediate_size": 48}, dense_moe=dense)
+    wide = Qwen3MoeLM({**TINY, "moe_intermediate_size": 48}, moe=moe)
     wide.load_state_dict(grown)  # strict: every name, every shape
 
     ids = torch.randint(0, TINY["vocab_size"], (3, 17), generator=torch.Generator().manual_seed(5))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine.loading import int4
 from engine.model.config import ModelFormatError
-from engine.train.model import Qwen3MoeLM
+from engine.train.model import MOE_FORMS, Qwen3MoeLM
 
 GROUP = 16
 TINY = quantizable_training_config()
@@ -215,8 +215,8 @@ def test_a_scheme_leaving_symmetric_and_strategy_to_their_defaults_is_read():
 # --- training through int4 and the export ---------------------------------------------------------
 
 
-def _model(config=TINY, seed=0, dense=False):
-    return scaled_training_model(config, seed, dense)
+def _model(config=TINY, seed=0, moe="sparse"):
+    return scaled_training_model(config, seed, moe)
 
 
 def _ids():
@@ -225,9 +225,9 @@ def _ids():
     )
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_int4_training_sees_the_rounded_projections(dense):
-    qat, plain = _model(seed=6, dense=dense), _model(seed=6, dense=dense)
+@pytest.mark.parametrize("moe", MOE_FORMS)
+def test_int4_training_sees_the_rounded_projections(moe):
+    qat, plain = _model(seed=6, moe=moe), _model(seed=6, moe=moe)
     qat.set_int4_training(GROUP)
     ids = _ids()
     with torch.no_grad():

@@ -1,44 +1,68 @@
-"""The training model: its dense and sparse MoE forms are one function, it matches transformers'
-Qwen3-MoE, and the training step traces as one graph (what `torch.compile` needs on the GPU)."""
+"""The training model: its sparse, dense and grouped MoE forms are one function, it matches
+transformers' Qwen3-MoE, and the training step traces as one graph (what `torch.compile` needs on
+the GPU)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_training import TINY
 
-from engine.train.model import Qwen3MoeLM
+from engine.train.model import MOE_FORMS, Qwen3MoeLM
 
 
-def _pair(seed=0):
-    sparse, dense = Qwen3MoeLM(TINY), Qwen3MoeLM(TINY, dense_moe=True)
-    sparse.init_weights(seed)
-    with torch.no_grad():  # larger than init so routing and experts matter in the comparison
-        for p in sparse.parameters():
+def _models(seed=0):
+    """The same weights in every MoE form, 4x init so routing and experts matter."""
+    models = {form: Qwen3MoeLM(TINY, moe=form) for form in MOE_FORMS}
+    models["sparse"].init_weights(seed)
+    with torch.no_grad():
+        for p in models["sparse"].parameters():
             p.mul_(4.0)
-    dense.load_state_dict(sparse.state_dict())
-    return sparse, dense
+    for model in models.values():
+        model.load_state_dict(models["sparse"].state_dict())
+    return models
 
 
+def _loss_and_grads(model, ids):
+    logits, aux = model(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * aux
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return logits.detach(), aux.detach(), grads
+
+
+@pytest.mark.parametrize("form", ["dense", "grouped"])
 @torch.enable_grad()  # another test's CLI may have switched grad mode off for the process
-def test_dense_and_sparse_moe_give_the_same_logits_and_gradients():
+def test_every_moe_form_gives_the_sparse_logits_and_gradients(form):
     torch.manual_seed(0)
-    sparse, dense = _pair()
+    models = _models()
+    # 3 x 17 tokens at top-2 of 8 experts: groups of uneven size, none a multiple of 16 rows.
     ids = torch.randint(0, TINY["vocab_size"], (3, 17))
-    grads = []
-    for model in (sparse, dense):
-        logits, aux = model(ids)
-        loss = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()) + 0.01 * aux
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        model.zero_grad()
-    (ls, aux_s), (ld, aux_d) = sparse(ids), dense(ids)
-    torch.testing.assert_close(ld, ls, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(aux_d, aux_s)
+    ls, aux_s, want = _loss_and_grads(models["sparse"], ids)
+    lf, aux_f, got = _loss_and_grads(models[form], ids)
+    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux_f, aux_s)
     assert ls.std() > 0.1  # not a degenerate comparison
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-3, atol=1e-4, msg=name)
-    expert_grads = [g for n, g in grads[0].items() if ".experts." in n]
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-3, atol=1e-4, msg=name)
+    expert_grads = [g for n, g in want.items() if ".experts." in n]
     assert sum(int(g.abs().sum() > 0) for g in expert_grads) > len(expert_grads) // 2
+
+
+def test_the_grouped_form_with_an_expert_no_token_chose():
+    """An empty group is a zero-row GEMM between its neighbours'."""
+    models = _models(2)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        routed = (
+            models["sparse"]
+            .model.layers[0]
+            .mlp.route(models["sparse"].model.embed_tokens(ids).reshape(-1, TINY["hidden_size"]))[1]
+        )
+        want, _ = models["sparse"](ids)
+        got, _ = models["grouped"](ids)
+    assert routed.unique().numel() < TINY["num_experts"]  # 6 slots cannot reach 8 experts
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_training_model_matches_transformers(tmp_path):
@@ -49,7 +73,7 @@ def test_training_model_matches_transformers(tmp_path):
     from engine.train.config import write_configs
 
     torch.manual_seed(1)
-    model, _ = _pair(1)
+    model = _models(1)["sparse"]
     write_configs(tmp_path, {**TINY, "torch_dtype": "float32"})
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()},
@@ -64,14 +88,17 @@ def test_training_model_matches_transformers(tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_training_step_is_one_graph():
-    """No graph break in the dense form (the sparse one syncs on expert counts by design)."""
+@pytest.mark.parametrize("form", ["dense", "grouped"])
+def test_training_step_is_one_graph(form):
+    """No graph break in the static-shape forms (the sparse one syncs on expert counts)."""
     from engine.train.train import lm_loss
 
     torch._dynamo.reset()
-    _, dense = _pair()
+    model = _models()[form]
     rows = torch.randint(0, TINY["vocab_size"], (2, 9))
-    explanation = torch._dynamo.explain(lm_loss)(dense, rows)
+    # bf16 autocast as the GPU trains (the grouped GEMM's traced form takes bf16 only).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(lm_loss)(model, rows)
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
@@ -82,7 +109,7 @@ def test_checkpoints_round_trip_and_a_run_resumes_from_an_exported_folder(tmp_pa
 
     from engine.train import checkpoint
 
-    model, _ = _pair(2)
+    model = _models(2)["sparse"]
     checkpoint.save(model, {"step": 7}, tmp_path / "run" / "ckpt")
     checkpoint.save(model, {"step": 8}, tmp_path / "run" / "ckpt")  # replaces the first whole
     assert not (tmp_path / "run" / "ckpt.tmp").exists()

@@ -21,8 +21,8 @@ TINY = {
 }
 
 
-def tiny_model(config=TINY, seed=0, dense=False):
-    return scaled_training_model(config, seed, dense)
+def tiny_model(config=TINY, seed=0, moe="sparse"):
+    return scaled_training_model(config, seed, moe)
 
 
 # Every projection dim a multiple of EXPORT_BLOCK, which transformers' FP8 loader needs:
