@@ -4,7 +4,10 @@
 #
 #   stage [--clear] PACK...              unpack corpus parts carried by this call, for a later start
 #                                       (each call's transfer is size-limited, so a big corpus
-#                                       travels over several calls; the machine keeps them while warm)
+#                                       travels over several calls; the machine keeps them while warm);
+#                                       a PACK that is no .tar.xz is a piece of a split file, kept as
+#                                       it is: a RESUME folder whose model.safetensors did not travel
+#                                       gets it from its staged pieces (split -b 30M ... .partNN)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
 #                                       training and watch it: resuming the shipped model, or
@@ -57,9 +60,21 @@ model_dir() {  # the folder the trainer reads config.json and tokenizer.json fro
         && echo "$RUN/model"
 }
 
+resume_dir() {  # RESUME, its weights joined from staged pieces where they travelled split
+    local pieces=("$STAGE"/pieces/model.safetensors.part*)
+    if [ -z "${RESUME:-}" ] || [ -e "$RESUME/model.safetensors" ] || [ ! -e "${pieces[0]}" ]; then
+        echo "${RESUME:-}"
+        return
+    fi
+    rm -rf "$RUN/resume" && mkdir -p "$RUN/resume" \
+        && cp "$RESUME"/*.json "$RUN/resume/" && cp "$RESUME"/*.jsonl "$RUN/resume/" 2>/dev/null
+    cat "${pieces[@]}" > "$RUN/resume/model.safetensors" && echo "$RUN/resume"
+}
+
 launch() {  # trainer args
     local dir resume
     dir=$(model_dir) || { echo "cannot prepare the model folder (SHAPE=${SHAPE:-})"; exit 1; }
+    RESUME=$(resume_dir) || { echo "cannot join the staged pieces of $RESUME"; exit 1; }
     if [ -n "${SHAPE:-}" ]; then resume=${RESUME:-}; else resume=${RESUME:-$MODEL}; fi
     setsid nohup $py -m engine.train.train --model-dir "$dir" --corpus .corpus \
         --out "$RUN/out" ${resume:+--resume "$resume"} "$@" >> "$RUN/train.log" 2>&1 < /dev/null &
@@ -85,7 +100,12 @@ stage)
     shift
     if [ "${1:-}" = --clear ]; then rm -rf "$STAGE"; shift; fi
     mkdir -p "$STAGE"
-    for pack in "$@"; do tar -xJf "$pack" -C "$STAGE" || exit 1; done
+    for pack in "$@"; do
+        case $pack in
+        *.tar.xz) tar -xJf "$pack" -C "$STAGE" || exit 1 ;;
+        *) mkdir -p "$STAGE/pieces" && cp "$pack" "$STAGE/pieces/" || exit 1 ;;
+        esac
+    done
     ls -la "$STAGE"
     ;;
 start)
@@ -102,8 +122,9 @@ start)
     done
     rm -f .corpus/*.jsonl  # the trainer reads every train*.jsonl: none may be left from a last run
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    if [ -d "$STAGE" ]; then  # staged parts (and maybe the held-out file)
-        cp "$STAGE"/*.jsonl .corpus/ || exit 1
+    staged=("$STAGE"/*.jsonl)
+    if [ -e "${staged[0]}" ]; then  # staged parts (and maybe the held-out file)
+        cp "${staged[@]}" .corpus/ || exit 1
     fi
     tar -xJf "$pack" -C .corpus || exit 1
     [ -f .corpus/heldout.jsonl ] || { echo "no heldout.jsonl carried or staged"; exit 1; }

@@ -539,3 +539,43 @@ def test_npm_packages_are_read_with_the_recorded_suffixes(tmp_path):
     _write(pkg / "node_modules/dep/index.js", "x = 1\n")
     (source,) = corpus.npm_sources(tmp_path, [])
     assert source.files == ["index.js", "python/flat.py", "types.d.ts"]
+
+
+def test_gpu_session_resumes_from_weights_that_travelled_in_pieces(tmp_path):
+    """A checkpoint too big for one transfer: its folder travels without model.safetensors, the
+    weights as split pieces staged over several calls, joined in order for the trainer."""
+    pack.main(
+        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
+    )
+    weights = bytes(range(256)) * 40
+    for i, piece in enumerate((weights[:4000], weights[4000:9000], weights[9000:])):
+        _write(tmp_path / f"pieces/model.safetensors.part{i:02d}", "").write_bytes(piece)
+    ckpt = tmp_path / "ckpt"
+    _write(ckpt / "config.json", '{"hidden_size": 8}\n')
+    _write(ckpt / "training_state.json", '{"step": 3}\n')
+    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer.json", "{}")
+    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer_config.json", "{}")
+    for call in (
+        ["--clear", "pieces/model.safetensors.part00"],
+        ["pieces/model.safetensors.part01", "pieces/model.safetensors.part02"],
+    ):
+        done = _gpu_session(tmp_path, "stage", *call)
+        assert done.returncode == 0, done.stderr
+    done = _gpu_session(tmp_path, "start", "p.tar.xz", "100", CALL_S="1", RESUME=str(ckpt))
+    assert done.returncode == 0, done.stdout + done.stderr
+    joined = tmp_path / "run/resume"
+    assert (joined / "model.safetensors").read_bytes() == weights
+    assert (joined / "training_state.json").read_text() == '{"step": 3}\n'
+    assert (tmp_path / "run/model/config.json").read_text() == '{"hidden_size": 8}\n'
+    train_call = (tmp_path / "stub.log").read_text().splitlines()[1]
+    assert f"--resume {joined} " in train_call
+
+
+def _corpus_with_heldout(tmp_path: Path) -> Path:
+    _write(
+        tmp_path / "c/train.jsonl", json.dumps({"id": "a", "lang": "python", "text": "z"}) + "\n"
+    )
+    _write(
+        tmp_path / "c/heldout.jsonl", json.dumps({"id": "h", "lang": "python", "text": "y"}) + "\n"
+    )
+    return tmp_path / "c"
