@@ -126,7 +126,8 @@ def parse_args(argv=None):
         "--moe",
         choices=["auto", *MOE_FORMS],
         default="auto",
-        help="expert arithmetic (auto: dense on a GPU, sparse elsewhere; the same function)",
+        help="expert arithmetic, the same function in every form (auto: grouped on a Hopper or "
+        "newer GPU, dense on an older one, sparse on the CPU)",
     )
     ap.add_argument(
         "--compile",
@@ -141,9 +142,18 @@ def parse_args(argv=None):
         ap.error("--final-lr-frac must be within [0, 1]")
     on_gpu = args.device.startswith("cuda")
     if args.moe == "auto":
-        args.moe = "dense" if on_gpu else "sparse"
+        args.moe = default_moe_form(args.device)
     args.compile = args.compile == "on" or (args.compile == "auto" and on_gpu)
     return args
+
+
+def default_moe_form(device: str) -> str:
+    """The fastest form measured (BENCHMARKS.md, "The MoE layer's training forms"): grouped where
+    torch's grouped GEMM has its Hopper kernels, dense on older GPUs, sparse on the CPU (the
+    compiled forms pay only on a GPU)."""
+    if not device.startswith("cuda"):
+        return "sparse"
+    return "grouped" if torch.cuda.get_device_capability(device) >= (9, 0) else "dense"
 
 
 def train_files(corpus: Path) -> list[Path]:

@@ -152,3 +152,14 @@ def test_learning_rate_warms_up_holds_and_decays_to_the_final_fraction():
     assert lr_at(50, 1.0, annealed) == 0.0
     with pytest.raises(SystemExit):
         parse_args(base + ["--final-lr-frac", "1.5"])
+
+
+def test_the_default_moe_form_follows_the_device(monkeypatch):
+    from engine.train.train import default_moe_form, parse_args
+
+    assert default_moe_form("cpu") == "sparse"
+    for capability, form in (((9, 0), "grouped"), ((10, 0), "grouped"), ((8, 9), "dense")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=capability: c)
+        assert default_moe_form("cuda:0") == form
+    args = parse_args(["--model-dir", "m", "--out", "o", "--device", "cuda", "--moe", "dense"])
+    assert args.moe == "dense"  # asked for, not replaced
