@@ -73,11 +73,13 @@ class EngineBackend:
         beams: int = 1,
         layout: str = "eval",
         server_max_tokens: int = SERVER_MAX_TOKENS,
+        cpu_decode_weights: str = "auto",
     ):
         from engine.core.engine import Engine
         from engine.core.options import EngineOptions
         from engine.loading.loader import load_model
         from engine.loading.tokenizer import Tokenizer
+        from engine.model.options import ModelOptions
         from engine.prompts.fim import healed_text
         from engine.prompts.layout import (
             MAX_PROMPT_TOKENS,
@@ -86,7 +88,7 @@ class EngineBackend:
             prompt_budget,
         )
 
-        self.model = load_model(model_dir)
+        self.model = load_model(model_dir, options=ModelOptions(lean_weights=cpu_decode_weights))
         self.tok = Tokenizer.from_dir(model_dir)
         self.context = self.model.config.max_position_embeddings
         # Requests one at a time: a pool for one context; no prefix cache, so that a task's
@@ -319,6 +321,7 @@ def run(
     server_max_tokens: int = SERVER_MAX_TOKENS,
     parts: list[str] | None = None,
     languages: list[str] | None = None,
+    cpu_decode_weights: str = "auto",
 ) -> dict:
     docs = select_docs(parts, languages, n_files, allow_changed)
     if not docs:
@@ -329,7 +332,7 @@ def run(
     if layout == "server" and backend_name != "engine":
         raise SystemExit("--layout server runs through the engine only")
     backend = (
-        EngineBackend(model_dir, heal, beams, layout, server_max_tokens)
+        EngineBackend(model_dir, heal, beams, layout, server_max_tokens, cpu_decode_weights)
         if backend_name == "engine"
         else TransformersBackend(model_dir)
     )
@@ -350,6 +353,7 @@ def run(
         "layout": layout,
         **({"server_max_tokens": server_max_tokens} if layout == "server" else {}),
         "token_healing": heal and backend_name == "engine",
+        **({"cpu_decode_weights": cpu_decode_weights} if cpu_decode_weights != "auto" else {}),
         "load_s": round(time.time() - t0, 3),
     }
     for kind in kinds:
@@ -482,6 +486,12 @@ def main(argv=None) -> None:
         type=Path,
         help="write every task's completion and exact match here (JSON lines)",
     )
+    ap.add_argument(
+        "--cpu-decode-weights",
+        choices=("auto", "fp32", "int8", "int4"),
+        default="auto",
+        help="the weights the engine's lean CPU decode step streams (as wd-engine's option)",
+    )
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
@@ -509,6 +519,7 @@ def main(argv=None) -> None:
                 server_max_tokens=args.server_max_tokens,
                 parts=args.heldout,
                 languages=args.languages.split(",") if args.languages else None,
+                cpu_decode_weights=args.cpu_decode_weights,
             )
     finally:
         if details:

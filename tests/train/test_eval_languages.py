@@ -302,6 +302,19 @@ def test_the_report_is_per_language_and_over_all(tmp_path, parts, recorder, monk
     assert capped["multi_psm"]["tasks"] == 4
 
 
+def test_the_cpu_decode_weights_reach_the_engine_and_the_report(
+    tmp_path, parts, recorder, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    built = []
+    monkeypatch.setattr(recorder, "__init__", lambda self, *args: built.append(args), raising=False)
+    common = ["--heldout", str(parts / "heldout.jsonl"), "--kinds", "single", "--orders", "spm"]
+    result, _ = run_main(tmp_path, *common, "--cpu-decode-weights", "fp32")
+    assert built[-1][-1] == "fp32" and result["cpu_decode_weights"] == "fp32"
+    result, _ = run_main(tmp_path, *common)  # the engine's own choice, as before: not reported
+    assert built[-1][-1] == "auto" and "cpu_decode_weights" not in result
+
+
 def test_the_printed_table_has_a_line_per_language_and_all(
     tmp_path, parts, recorder, capsys, monkeypatch
 ):
