@@ -52,7 +52,9 @@ def test_safetensors_uses_the_per_expert_hf_layout():
         assert f"model.layers.{layer}.mlp.gate.weight" in keys
         for e in range(config["num_experts"]):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                assert f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" in keys
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+                # bf16 or FP8 (`weight`), or int4 groups (compressed-tensors' `weight_packed`)
+                assert {f"{name}.weight", f"{name}.weight_packed"} & keys, name
 
 
 @pytest.fixture(scope="module")
