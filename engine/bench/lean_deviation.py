@@ -1,0 +1,149 @@
+"""How far the lean CPU decode step's logits stray from the general path's, and why: greedy steps
+on held-out files, teacher-forced with the general path's (fp32) picks, each step's lean logits
+compared on the general path's best few. A step's closest routing decision (over its layers, the
+gap between the last expert chosen and the first left out, in router logits) shows where a
+routing flip, not rounding, moved the logits.
+
+    python -m engine.bench.lean_deviation --model DIR --files 60 --steps 12 --out dev.json
+
+Prints the moves' quantiles, and for pairs of thresholds (routing gap, top-2 logit gap) the share
+of steps a guard deferring below them would send to fp32, and how many steps it would keep whose
+top-2 gap their move could close (unsafe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from engine.loading.loader import load_model
+from engine.loading.tokenizer import Tokenizer
+from engine.model import lean_cpu
+from engine.model.options import ModelOptions
+from engine.prompts.fim import build_fim_prompt
+
+BEST = 5  # the general path's best logits each step's move is measured on
+
+
+def closest_route(logits: list[list[float]], top_k: int) -> float:
+    gaps = []
+    for row in logits:
+        ordered = sorted(row, reverse=True)
+        gaps.append(ordered[top_k - 1] - ordered[top_k] if len(row) > top_k else math.inf)
+    return min(gaps)
+
+
+@contextlib.contextmanager
+def watching_routing(top_k: int):
+    """The closest routing gap of each lean router call inside the block, in a list."""
+    seen: list[float] = []
+    original = lean_cpu._router_logits
+
+    def recording(router, h):
+        logits = original(router, h)
+        seen.append(closest_route(logits, top_k))
+        return logits
+
+    lean_cpu._router_logits = recording
+    try:
+        yield seen
+    finally:
+        lean_cpu._router_logits = original
+
+
+def prompts(heldout: Path, tok, n_files: int):
+    """A FIM prompt per file: cut at the first line start past its middle."""
+    with open(heldout) as f:
+        docs = [json.loads(line) for _, line in zip(range(n_files), f)]
+    for doc in docs:
+        text = doc["text"]
+        cut = text.find("\n", len(text) // 2) + 1 or len(text) // 2
+        yield build_fim_prompt(tok, text[max(0, cut - 1500) : cut], text[cut : cut + 500], "spm")
+
+
+@torch.inference_mode()
+def measure(model_dir: Path, heldout: Path, n_files: int, steps: int, form: str) -> list[dict]:
+    tok = Tokenizer.from_dir(model_dir)
+    lean = load_model(model_dir, options=ModelOptions(lean_weights=form))
+    general = load_model(model_dir, options=ModelOptions(lean_decode=False))
+    assert lean.lean_path_applies() and not general.lean_path_applies()
+    out = []
+    with watching_routing(lean.config.num_experts_per_tok) as routing:
+        for ids in prompts(heldout, tok, n_files):
+            out.extend(_steps(lean, general, ids, steps, routing))
+    return out
+
+
+def _steps(lean, general, ids: list[int], steps: int, routing: list[float]) -> list[dict]:
+    """One prompt's teacher-forced steps: the lean step's logits against the general path's."""
+    out = []
+    cache = lean.new_cache(1, capacity=len(ids) + steps + 1)
+    seq = list(ids)
+    logits = lean.forward(torch.tensor([seq]), torch.arange(len(seq))[None], cache, True)[0, -1]
+    route = math.inf  # the prompt's forward is the general path's arithmetic
+    for _ in range(steps):
+        full = general.new_cache(1, capacity=len(seq))
+        want = general.forward(torch.tensor([seq]), torch.arange(len(seq))[None], full)[0, -1]
+        best = torch.topk(want, BEST)
+        two = torch.topk(logits, 2)
+        out.append(
+            {
+                "route": route,
+                "gap": float(two.values[0] - two.values[1]),
+                "move": float((logits[best.indices] - best.values).abs().max()),
+                "flip": int(logits.argmax()) != int(best.indices[0]),
+            }
+        )
+        seq.append(int(best.indices[0]))
+        routing.clear()
+        position = torch.tensor([[len(seq) - 1]])
+        logits = lean.forward(torch.tensor([[seq[-1]]]), position, cache)[0, -1]
+        route = min(routing, default=math.inf)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--heldout", type=Path, default=Path(".corpus/heldout.jsonl"))
+    ap.add_argument("--files", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--form", default="auto", help="the lean step's weights (as ModelOptions)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = measure(args.model, args.heldout, args.files, args.steps, args.form)
+    stepped = [r for r in rows if r["route"] != math.inf]
+    moves = sorted(r["move"] for r in stepped)
+    summary = {
+        "steps": len(stepped),
+        "flips": sum(r["flip"] for r in stepped),
+        "move_p50": statistics.median(moves),
+        "move_p99": moves[min(len(moves) - 1, int(0.99 * len(moves)))],
+        "move_max": moves[-1],
+        "guards": [],
+    }
+    for route_gap, logit_gap in ((0.005, 0.3), (0.01, 0.3), (0.005, 0.5), (0.01, 0.5)):
+        kept = [r for r in stepped if r["route"] >= route_gap and r["gap"] >= logit_gap]
+        summary["guards"].append(
+            {
+                "route_gap": route_gap,
+                "logit_gap": logit_gap,
+                "deferred": 1 - len(kept) / len(stepped),
+                "unsafe_kept": sum(2 * r["move"] >= r["gap"] for r in kept),
+                "largest_move_kept": max((r["move"] for r in kept), default=0.0),
+            }
+        )
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "steps": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
