@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = measure(args.model, args.heldout, args.files, args.steps, args.form)
     stepped = [r for r in rows if r["route"] != math.inf]
+    if not stepped:
+        print("no lean decode steps were measured (is --steps at least 2?)")
+        return 1
     moves = sorted(r["move"] for r in stepped)
     summary = {
         "steps": len(stepped),

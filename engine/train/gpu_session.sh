@@ -5,9 +5,10 @@
 #   stage [--clear] PACK...              unpack corpus parts carried by this call, for a later start
 #                                       (each call's transfer is size-limited, so a big corpus
 #                                       travels over several calls; the machine keeps them while warm);
-#                                       a PACK that is no .tar.xz is a piece of a split file, kept as
-#                                       it is: a RESUME folder whose model.safetensors did not travel
-#                                       gets it from its staged pieces (split -b 30M ... .partNN)
+#                                       a PACK named model.safetensors.partNN is a piece of split
+#                                       weights, kept as it is: a RESUME folder that arrives without
+#                                       weights gets them joined from the staged pieces (stage the
+#                                       first with --clear, so no other run's pieces are left)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
 #                                       training and watch it: resuming the shipped model, or
@@ -61,14 +62,16 @@ model_dir() {  # the folder the trainer reads config.json and tokenizer.json fro
 }
 
 resume_dir() {  # RESUME, its weights joined from staged pieces where they travelled split
-    local pieces=("$STAGE"/pieces/model.safetensors.part*)
-    if [ -z "${RESUME:-}" ] || [ -e "$RESUME/model.safetensors" ] || [ ! -e "${pieces[0]}" ]; then
+    local pieces=("$STAGE"/pieces/model.safetensors.part*) weights=("${RESUME:-}"/*.safetensors)
+    # A folder with weights of its own (an export, a checkpoint's shards) is used as it is.
+    if [ -z "${RESUME:-}" ] || [ -e "${weights[0]}" ] || [ ! -e "${pieces[0]}" ]; then
         echo "${RESUME:-}"
         return
     fi
-    rm -rf "$RUN/resume" && mkdir -p "$RUN/resume" \
-        && cp "$RESUME"/*.json "$RUN/resume/" && cp "$RESUME"/*.jsonl "$RUN/resume/" 2>/dev/null
-    cat "${pieces[@]}" > "$RUN/resume/model.safetensors" && echo "$RUN/resume"
+    { rm -rf "$RUN/resume" && mkdir -p "$RUN/resume" && cp "$RESUME"/*.json "$RUN/resume/" \
+        && cat "${pieces[@]}" > "$RUN/resume/model.safetensors"; } || return 1
+    cp "$RESUME"/*.jsonl "$RUN/resume/" 2>/dev/null  # its training log, where it has one
+    echo "$RUN/resume"
 }
 
 launch() {  # trainer args
@@ -103,7 +106,8 @@ stage)
     for pack in "$@"; do
         case $pack in
         *.tar.xz) tar -xJf "$pack" -C "$STAGE" || exit 1 ;;
-        *) mkdir -p "$STAGE/pieces" && cp "$pack" "$STAGE/pieces/" || exit 1 ;;
+        *model.safetensors.part*) mkdir -p "$STAGE/pieces" && cp "$pack" "$STAGE/pieces/" || exit 1 ;;
+        *) echo "neither a corpus part (.tar.xz) nor a weights piece: $pack"; exit 1 ;;
         esac
     done
     ls -la "$STAGE"

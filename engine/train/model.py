@@ -232,7 +232,8 @@ class SparseMoe(nn.Module):
             return torch._grouped_mm(a, w, offs=ends)
 
         h = F.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj")
-        ys = grouped(h, "down_proj")[dest] * top_w.reshape(-1)[order, None].to(dtype)
+        # Weighted in fp32, as the sparse form does.
+        ys = grouped(h, "down_proj")[dest].float() * top_w.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
 
 

@@ -442,11 +442,12 @@ def _gpu_session(tmp_path: Path, *args: str, **env: str):
 
     bin_dir = tmp_path / "bin"
     _write(bin_dir / "nvidia-smi", "#!/bin/sh\necho stub-gpu\n").chmod(0o755)
-    _write(
-        bin_dir / "python3",
+    stub = env.pop(
+        "PYTHON_STUB",
         '#!/bin/sh\necho "$@" >> "$STUB_LOG"\n'
         'case "$*" in *engine.train.train*) echo step=1 ;; esac\n',
-    ).chmod(0o755)
+    )
+    _write(bin_dir / "python3", stub).chmod(0o755)
     script = Path(__file__).parents[2] / "engine/train/gpu_session.sh"
     base = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
@@ -569,6 +570,52 @@ def test_gpu_session_resumes_from_weights_that_travelled_in_pieces(tmp_path):
     assert (tmp_path / "run/model/config.json").read_text() == '{"hidden_size": 8}\n'
     train_call = (tmp_path / "stub.log").read_text().splitlines()[1]
     assert f"--resume {joined} " in train_call
+
+
+def test_gpu_session_resumes_a_folder_with_weights_of_its_own_as_it_is(tmp_path):
+    """Pieces left staged from another run are never joined over a checkpoint's own shards."""
+    pack.main(
+        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
+    )
+    _write(tmp_path / "model.safetensors.part00", "someone else's weights")
+    ckpt = tmp_path / "ckpt"
+    _write(ckpt / "config.json", "{}\n")
+    _write(ckpt / "model-00001-of-00001.safetensors", "shard")
+    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer.json", "{}")
+    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer_config.json", "{}")
+    assert _gpu_session(tmp_path, "stage", "--clear", "model.safetensors.part00").returncode == 0
+    done = _gpu_session(tmp_path, "start", "p.tar.xz", "100", CALL_S="1", RESUME=str(ckpt))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"--resume {ckpt} " in (tmp_path / "stub.log").read_text().splitlines()[1]
+    assert not (tmp_path / "run/resume").exists()
+    refused = _gpu_session(tmp_path, "stage", "notes.txt")
+    assert refused.returncode == 1 and "neither a corpus part" in refused.stdout
+
+
+def test_gpu_session_starts_again_with_the_fallback_args_when_no_step_comes(tmp_path):
+    pack.main(
+        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
+    )
+    # A trainer that fails before its first step with the grouped form, and trains with dense.
+    trainer = (
+        '#!/bin/sh\necho "$@" >> "$STUB_LOG"\n'
+        'case "$*" in *"--moe dense"*) echo step=1 ;; *engine.train.train*) exit 1 ;; esac\n'
+    )
+    done = _gpu_session(
+        tmp_path,
+        "start",
+        "p.tar.xz",
+        "100",
+        "--moe",
+        "grouped",
+        CALL_S="1",
+        FALLBACK="--moe dense",
+        PYTHON_STUB=trainer,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "falling back to --moe dense" in done.stdout
+    first, second = (tmp_path / "stub.log").read_text().splitlines()[1:3]
+    assert first.endswith("--moe grouped") and second.endswith("--moe grouped --moe dense")
 
 
 def _corpus_with_heldout(tmp_path: Path) -> Path:
