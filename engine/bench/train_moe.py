@@ -51,10 +51,10 @@ def layers(config: dict, forms, device, int4_group, fp8_block, seed: int = 0) ->
 
 def step(layer, x, grad, autocast):
     """Forward and backward, the input's gradient too (x requires it, as a layer's input does)."""
+    x.grad = None  # the last step's, not summed into
     with autocast:
         y, aux = layer(x)
     (y.float() * grad).sum().add(aux).backward()
-    x.grad = None
     return y
 
 
@@ -64,10 +64,7 @@ def check(built: dict, x, grad, autocast) -> dict:
     out = {}
     for form, layer in built.items():
         xf = x.detach().clone().requires_grad_()
-        with autocast:
-            y, aux = layer(xf)
-        (y.float() * grad).sum().add(aux).backward()
-        y = y.detach().float()
+        y = step(layer, xf, grad, autocast).detach().float()
         grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}
         grads["x"] = xf.grad.float()
         layer.zero_grad(set_to_none=True)

@@ -181,15 +181,15 @@ class SparseMoe(nn.Module):
         ys = torch.cat(outs) * top_w.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_slot, ys.to(x.dtype))
 
-    def _stacked(self, name: str) -> torch.Tensor:
-        """One projection of every expert, as the forward pass sees it: [E, out, in]."""
-        return torch.stack([getattr(e, name).effective_weight() for e in self.experts])
+    def _effective(self, name: str) -> list[torch.Tensor]:
+        """One projection of every expert, as the forward pass sees it: E x [out, in]."""
+        return [getattr(e, name).effective_weight() for e in self.experts]
 
     def _dense(self, x, top_w, top_i):
         n, inter = x.shape[0], self.experts[0].gate_proj.weight.shape[0]
-        gate_w = self._stacked("gate_proj").flatten(0, 1)  # [E*I, H]
-        up_w = self._stacked("up_proj").flatten(0, 1)  # [E*I, H]
-        down_w = torch.cat(list(self._stacked("down_proj")), 1)  # [H, E*I]
+        gate_w = torch.cat(self._effective("gate_proj"))  # [E*I, H]
+        up_w = torch.cat(self._effective("up_proj"))  # [E*I, H]
+        down_w = torch.cat(self._effective("down_proj"), 1)  # [H, E*I]
         # [N, E] routing weights, 0 for the experts a token is not routed to.
         weights = torch.zeros(n, self.n_experts, device=x.device, dtype=top_w.dtype).scatter(
             1, top_i, top_w
@@ -209,14 +209,13 @@ class SparseMoe(nn.Module):
             0, flat_e, torch.ones_like(flat_e)
         )
         padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
-        padded_start = torch.cumsum(padded, 0) - padded
+        padded_end = torch.cumsum(padded, 0)
         start = torch.cumsum(counts, 0) - counts
         # The buffer row of each sorted slot: its expert's padded start plus its rank there.
-        dest = padded_start[sorted_e] + torch.arange(n_slots, device=x.device) - start[sorted_e]
+        dest = (padded_end - padded - start)[sorted_e] + torch.arange(n_slots, device=x.device)
         # Group ends; the last group takes the buffer's spare rows (zeros in, zeros out), so
         # every row the GEMMs write is defined.
-        ends = torch.cat([torch.cumsum(padded, 0)[:-1], padded.new_full((1,), rows)])
-        ends = ends.to(torch.int32)
+        ends = torch.cat([padded_end[:-1], padded.new_full((1,), rows)]).to(torch.int32)
         token_of_slot = order // self.top_k
         dtype = (
             torch.get_autocast_dtype(x.device.type)
@@ -228,7 +227,7 @@ class SparseMoe(nn.Module):
         )
 
         def grouped(a, name):  # a [rows, in] @ each expert's [out, in]^T -> [rows, out]
-            w = self._stacked(name).to(dtype).transpose(1, 2)
+            w = torch.stack(self._effective(name)).to(dtype).transpose(1, 2)
             return torch._grouped_mm(a, w, offs=ends)
 
         h = F.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj")

@@ -545,17 +545,13 @@ def test_npm_packages_are_read_with_the_recorded_suffixes(tmp_path):
 def test_gpu_session_resumes_from_weights_that_travelled_in_pieces(tmp_path):
     """A checkpoint too big for one transfer: its folder travels without model.safetensors, the
     weights as split pieces staged over several calls, joined in order for the trainer."""
-    pack.main(
-        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
-    )
+    _packed_corpus(tmp_path)
     weights = bytes(range(256)) * 40
     for i, piece in enumerate((weights[:4000], weights[4000:9000], weights[9000:])):
         _write(tmp_path / f"pieces/model.safetensors.part{i:02d}", "").write_bytes(piece)
     ckpt = tmp_path / "ckpt"
     _write(ckpt / "config.json", '{"hidden_size": 8}\n')
     _write(ckpt / "training_state.json", '{"step": 3}\n')
-    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer.json", "{}")
-    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer_config.json", "{}")
     for call in (
         ["--clear", "pieces/model.safetensors.part00"],
         ["pieces/model.safetensors.part01", "pieces/model.safetensors.part02"],
@@ -574,15 +570,11 @@ def test_gpu_session_resumes_from_weights_that_travelled_in_pieces(tmp_path):
 
 def test_gpu_session_resumes_a_folder_with_weights_of_its_own_as_it_is(tmp_path):
     """Pieces left staged from another run are never joined over a checkpoint's own shards."""
-    pack.main(
-        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
-    )
+    _packed_corpus(tmp_path)
     _write(tmp_path / "model.safetensors.part00", "someone else's weights")
     ckpt = tmp_path / "ckpt"
     _write(ckpt / "config.json", "{}\n")
     _write(ckpt / "model-00001-of-00001.safetensors", "shard")
-    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer.json", "{}")
-    _write(tmp_path / "engine/models/wd-coder-tiny/tokenizer_config.json", "{}")
     assert _gpu_session(tmp_path, "stage", "--clear", "model.safetensors.part00").returncode == 0
     done = _gpu_session(tmp_path, "start", "p.tar.xz", "100", CALL_S="1", RESUME=str(ckpt))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -593,9 +585,7 @@ def test_gpu_session_resumes_a_folder_with_weights_of_its_own_as_it_is(tmp_path)
 
 
 def test_gpu_session_starts_again_with_the_fallback_args_when_no_step_comes(tmp_path):
-    pack.main(
-        ["--corpus", str(_corpus_with_heldout(tmp_path)), "--out", str(tmp_path / "p.tar.xz")]
-    )
+    _packed_corpus(tmp_path)
     # A trainer that fails before its first step with the grouped form, and trains with dense.
     trainer = (
         '#!/bin/sh\necho "$@" >> "$STUB_LOG"\n'
@@ -618,11 +608,12 @@ def test_gpu_session_starts_again_with_the_fallback_args_when_no_step_comes(tmp_
     assert first.endswith("--moe grouped") and second.endswith("--moe grouped --moe dense")
 
 
-def _corpus_with_heldout(tmp_path: Path) -> Path:
-    _write(
-        tmp_path / "c/train.jsonl", json.dumps({"id": "a", "lang": "python", "text": "z"}) + "\n"
-    )
-    _write(
-        tmp_path / "c/heldout.jsonl", json.dumps({"id": "h", "lang": "python", "text": "y"}) + "\n"
-    )
-    return tmp_path / "c"
+def _packed_corpus(tmp_path: Path) -> None:
+    """A one-file corpus packed as p.tar.xz in the checkout, with the tokenizer files a model
+    folder is made from."""
+    for name, doc_id in (("train", "a"), ("heldout", "h")):
+        line = json.dumps({"id": doc_id, "lang": "python", "text": doc_id * 3}) + "\n"
+        _write(tmp_path / f"c/{name}.jsonl", line)
+    pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar.xz")])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        _write(tmp_path / "engine/models/wd-coder-tiny" / name, "{}")

@@ -60,8 +60,9 @@ def test_the_grouped_form_with_experts_no_token_chose(empty):
     weights = torch.rand(20, 2, generator=g).softmax(-1)
     x = 10 * torch.randn(20, TINY["hidden_size"], generator=g)
     out = {}
+    models = _models(5)
     for form in ("sparse", "grouped"):
-        layer = _models(5)[form].model.layers[0].mlp
+        layer = models[form].model.layers[0].mlp
         layer.route = lambda h, w=weights, i=ids: (w, i, h.sum() * 0)
         xf = x.clone().requires_grad_()
         y, _ = layer(xf)
@@ -74,6 +75,29 @@ def test_the_grouped_form_with_experts_no_token_chose(empty):
     assert out["sparse"][0].std() > 0.1
     for got, want in zip(out["grouped"], out["sparse"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_training_model_matches_transformers(tmp_path):
+    """Through the on-disk layout the checkpoints use (per-expert keys, tied lm_head omitted)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from engine.train.config import write_configs
+
+    torch.manual_seed(1)
+    model = _models(1)["sparse"]
+    write_configs(tmp_path, {**TINY, "torch_dtype": "float32"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 13))
+    with torch.no_grad():
+        ours, _ = model(ids)
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("form", ["dense", "grouped"])
