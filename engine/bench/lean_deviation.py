@@ -31,14 +31,6 @@ from engine.prompts.fim import build_fim_prompt
 BEST = 5  # the general path's best logits each step's move is measured on
 
 
-def closest_route(logits: list[list[float]], top_k: int) -> float:
-    gaps = []
-    for row in logits:
-        ordered = sorted(row, reverse=True)
-        gaps.append(ordered[top_k - 1] - ordered[top_k] if len(row) > top_k else math.inf)
-    return min(gaps)
-
-
 @contextlib.contextmanager
 def watching_routing(top_k: int):
     """The closest routing gap of each lean router call inside the block, in a list."""
@@ -47,7 +39,7 @@ def watching_routing(top_k: int):
 
     def recording(router, h):
         logits = original(router, h)
-        seen.append(closest_route(logits, top_k))
+        seen.append(lean_cpu.closest_route(logits, top_k))
         return logits
 
     lean_cpu._router_logits = recording
@@ -68,16 +60,21 @@ def prompts(heldout: Path, tok, n_files: int):
 
 
 @torch.inference_mode()
-def measure(model_dir: Path, heldout: Path, n_files: int, steps: int, form: str) -> list[dict]:
+def measure(
+    model_dir: Path, heldout: Path, n_files: int, steps: int, form: str, guarded: bool = False
+) -> tuple[list[dict], float]:
+    """Each teacher-forced step's move, and the share of steps the int4 guard computed again
+    (0 unguarded)."""
     tok = Tokenizer.from_dir(model_dir)
     lean = load_model(model_dir, options=ModelOptions(lean_weights=form))
+    lean.lean.guarded = guarded
     general = load_model(model_dir, options=ModelOptions(lean_decode=False))
     assert lean.lean_path_applies() and not general.lean_path_applies()
     out = []
     with watching_routing(lean.config.num_experts_per_tok) as routing:
         for ids in prompts(heldout, tok, n_files):
             out.extend(_steps(lean, general, ids, steps, routing))
-    return out
+    return out, lean.lean.recomputed / max(1, lean.lean.steps)
 
 
 def _steps(lean, general, ids: list[int], steps: int, routing: list[float]) -> list[dict]:
@@ -115,9 +112,17 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=60)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--form", default="auto", help="the lean step's weights (as ModelOptions)")
+    ap.add_argument(
+        "--guarded",
+        action="store_true",
+        help="measure the int4 step with its guard (engine.model.lean_cpu), which computes the "
+        "steps that are not decisive again from fp32 weights; without it, the int4 step alone",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = measure(args.model, args.heldout, args.files, args.steps, args.form)
+    rows, recomputed = measure(
+        args.model, args.heldout, args.files, args.steps, args.form, args.guarded
+    )
     stepped = [r for r in rows if r["route"] != math.inf]
     if not stepped:
         print("no lean decode steps were measured (is --steps at least 2?)")
@@ -129,6 +134,7 @@ def main(argv=None) -> int:
         "move_p50": statistics.median(moves),
         "move_p99": moves[min(len(moves) - 1, int(0.99 * len(moves)))],
         "move_max": moves[-1],
+        "recomputed": recomputed,
         "guards": [],
     }
     for route_gap, logit_gap in ((0.005, 0.3), (0.01, 0.3), (0.005, 0.5), (0.01, 0.5)):

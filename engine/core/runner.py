@@ -16,6 +16,7 @@ import torch
 from engine.core.options import EngineOptions
 from engine.core.state import RequestState
 from engine.decoding.beam_search import BeamTails
+from engine.decoding.token_healing import Forcing
 from engine.kv.pool import KVPool, PagedBatch
 from engine.model.qwen3_moe import Qwen3MoeModel
 
@@ -88,7 +89,10 @@ class ModelRunner:
         tokens = torch.tensor([prompt[start:end]], device=device)
         positions = torch.arange(start, end, device=device)[None]
         view = PagedBatch(self.pool, [state.table.blocks], device)
-        return self.model.forward(tokens, positions, view, last_only=True)[0, -1], None
+        logits = self.model.forward(
+            tokens, positions, view, last_only=True, exact_logits=_constrained(state.forcing)
+        )
+        return logits[0, -1], None
 
     def decode(self, batch: list[RequestState]) -> tuple[torch.Tensor, list[int] | None]:
         """One token of each sequence: logits [B, V], and the greedy ids where the device took
@@ -106,7 +110,8 @@ class ModelRunner:
         tokens = torch.tensor([[state.tokens[-1]] for state in batch], device=device)
         positions = torch.tensor([[state.computed] for state in batch], device=device)
         view = PagedBatch(self.pool, [state.table.blocks for state in batch], device)
-        return self.model.forward(tokens, positions, view)[:, -1], None
+        exact = any(_constrained(state.forcing) for state in batch)
+        return self.model.forward(tokens, positions, view, exact_logits=exact)[:, -1], None
 
     def verify(self, state: RequestState, rows: list[int]) -> torch.Tensor | None:
         """A draft's rows (the last token, then the draft) on the lean path, written from
@@ -119,4 +124,13 @@ class ModelRunner:
         """The beams' new tokens over the prompt's shared blocks (never written) and their own
         tails: logits [beams, V]."""
         view = PagedBatch(self.pool, [state.table.blocks], self.model.device)
-        return self.model.forward_beams(tokens, state.computed + tails.length, view, tails)
+        exact = any(_constrained(hyp.forcing) for hyp in state.beam.search.live)
+        return self.model.forward_beams(
+            tokens, state.computed + tails.length, view, tails, exact_logits=exact
+        )
+
+
+def _constrained(forcing: Forcing | None) -> bool:
+    """Whether a choice is constrained to a healed text, so may pick a token far from the best
+    logit: the logits must be exact there, not only near the best."""
+    return forcing is not None and forcing.active

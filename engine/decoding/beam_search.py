@@ -78,6 +78,14 @@ class BeamTails:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def mark(self) -> tuple[list, list]:
+        """The K/V held now, for `restore` (`extend` makes new tensors, so these stay)."""
+        return list(self.keys), list(self.values)
+
+    def restore(self, mark: tuple[list, list]) -> None:
+        """Back to the K/V held at `mark`."""
+        self.keys, self.values = list(mark[0]), list(mark[1])
+
     def select(self, parents: list[int]) -> None:
         """Beam i continues old beam parents[i]."""
         if self.keys[0] is None:

@@ -39,7 +39,12 @@ from kernels import reference as ref
 if TYPE_CHECKING:
     from engine.model.qwen3_moe import Qwen3MoeModel
 
-LeanMatrix = lean_matrices.Fp32Matrix | lean_matrices.Int8Matrix | lean_matrices.Int4Matrix
+LeanMatrix = (
+    lean_matrices.Fp32Matrix
+    | lean_matrices.Int8Matrix
+    | lean_matrices.Int4Matrix
+    | lean_matrices.ModelFp32Matrix
+)
 # Attention of one layer's rows: (layer index, q [..., Hq, D] scaled, k, v [..., Hkv, D]) -> the
 # rows' outputs [..., Hq, D], with `...` the rows' leading dimension (none for one row).
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -51,6 +56,15 @@ LEAN_MAX_ROWS = 9
 # (`LeanCpu.logits`): over held-out decode steps the int8 lm_head moved the shipped model's
 # logits by well under half of it, so fp32's best stays among them; a step recomputes a handful.
 LEAN_EXACT_MARGIN = 1.0
+# With int4 weights (bf16 activations) a step is computed again from the model's fp32 weights
+# unless it is decisive: every routing decision (the gap between the last expert a row chose and
+# the first it left out, in router logits) at least ROUTE_MARGIN, and every row's best logit at
+# least LOGIT_MARGIN above its second. Over held-out greedy steps every large move of the int4
+# step's logits came at a routing near-tie, and steps clear of one moved well under LOGIT_MARGIN
+# / 2 (BENCHMARKS.md, engine.bench.lean_deviation), so a decisive step picks what fp32 picks.
+# The earlier rows' K/V stay the int4 step's: the measurement above kept them too.
+ROUTE_MARGIN = 0.01
+LOGIT_MARGIN = 0.3
 
 
 @dataclass
@@ -141,6 +155,12 @@ class BeamKeys(Protocol):
 
     length: int  # tokens each beam holds
 
+    def mark(self) -> object:
+        """The K/V held now, for `restore`."""
+
+    def restore(self, mark: object) -> None:
+        """Back to the K/V held at `mark` (a step computed again extends them again)."""
+
     def extend(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +219,14 @@ class LeanCpu:
             self._int4_codes = None
         self.form = form
         self.layers: list[LeanLayer] | None = None
+        # int4: the same layers over the model's own fp32 weights, for steps that are not
+        # decisive (ROUTE_MARGIN, LOGIT_MARGIN); None in the other forms.
+        self.exact_layers: list[LeanLayer] | None = None
+        # Whether int4 steps are checked (engine.bench.lean_deviation measures them unchecked).
+        self.guarded = True
+        self.steps = 0  # forwards of new rows (`tail`, `beams`)
+        self.recomputed = 0  # of them, computed again from fp32 weights
+        self._closest_route = math.inf  # the current forward's, while it is tracked
         cfg = model.config
         # Read in every layer of every step: looked up once.
         self.eps, self.head_dim = cfg.rms_norm_eps, cfg.head_dim
@@ -215,57 +243,74 @@ class LeanCpu:
             for layer, layer_codes in zip(model.layers, codes)
         ]
         self._int4_codes = None
+        if self.form == "int4":
+            self.exact_layers = [
+                LeanLayer.of(layer, model.config, lean_matrices.MODEL_FP32)
+                for layer in model.layers
+            ]
         # The lm_head (the tied embedding) is not int4 in any checkpoint: int8 rows, with the
         # logits near the best recomputed from fp32 (`logits`).
         head_form = "int8" if self.form == "int4" else self.form
         self._lm_head = lean_matrices.matrix(head_form, model.lm_head, model.final_norm)
-        self._input_dtype = lean_matrices.INPUT_DTYPE[self.form]
         self._eps = torch.tensor(model.config.rms_norm_eps)
 
-    def tail(self, tokens: list[int], position: int, cache: ModelCache) -> torch.Tensor | None:
+    def tail(
+        self, tokens: list[int], position: int, cache: ModelCache, exact_logits: bool = False
+    ) -> torch.Tensor | None:
         """Logits [n, V] of one sequence's n new tokens at positions position.. (the end of its
-        cache); None where the cache cannot serve it or there are too many rows."""
+        cache); None where the cache cannot serve it or there are too many rows.
+        `exact_logits`: every logit from the fp32 lm_head (`logits`)."""
         if len(tokens) > LEAN_MAX_ROWS:
             return None
         rows = cache.lean_rows(position, len(tokens))
         if rows is None:
             return None
-        inv_freq = self.model.inv_freq
-        if len(tokens) == 1:
-            rope = ref.rope_matrix(position, inv_freq)
-        else:
-            rope = torch.stack(
-                [ref.rope_matrix(p, inv_freq) for p in range(position, position + len(tokens))]
-            )
-        return self._forward(tokens, rope, CacheRows(cache, rows))
+        self.prepare()
+        self.steps += 1
+        rope, attend = self._rope(position, len(tokens)), CacheRows(cache, rows)
+        # Computed again, a step's K/V overwrite the same slots: nothing to undo.
+        return self._checked(tokens, rope, attend, exact_logits, lambda: None)
 
     def beams(
-        self, tokens: list[int], position: int, cache: ModelCache, tails: BeamKeys
+        self,
+        tokens: list[int],
+        position: int,
+        cache: ModelCache,
+        tails: BeamKeys,
+        exact_logits: bool = False,
     ) -> torch.Tensor | None:
         """Logits [B, V] of B beams' newest tokens, all at `position`: each beam sees the cache's
         positions below position - tails.length (the prompt), then its own tokens in `tails`.
-        None where the cache cannot serve it or there are too many beams."""
+        None where the cache cannot serve it or there are too many beams. `exact_logits`: as
+        for `tail`."""
         if len(tokens) > LEAN_MAX_ROWS:
             return None
         rows = cache.lean_rows(position - tails.length, 0)
         if rows is None:
             return None
-        rope = ref.rope_matrix(position, self.model.inv_freq)
-        return self._forward(tokens, rope, BeamRows(cache, rows.runs, tails))
+        self.prepare()
+        self.steps += 1
+        rope, attend = self._rope(position, 1), BeamRows(cache, rows.runs, tails)
+        mark = tails.mark()  # computed again, the step must not extend the beams' keys twice
+        return self._checked(tokens, rope, attend, exact_logits, lambda: tails.restore(mark))
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, exact_logits: bool = False) -> torch.Tensor:
         """Logits [n, V] of residual rows x [n, H] (or [1, V] of one row x [H]): the final norm,
-        then the lm_head."""
+        then the lm_head (`logits`)."""
         h = _normed(x, self.eps)
-        return self.logits(h if h.dim() == 2 else h[None])
+        return self.logits(h if h.dim() == 2 else h[None], exact_logits)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """Logits [n, V] of normed rows h [n, H] (the final norm's weight not applied yet). With
         an int8 lm_head (the int8 and int4 forms), every logit within LEAN_EXACT_MARGIN of a
         row's best is computed again from the fp32 lm_head, so greedy picks as fp32 would unless
         int8's rounding moved a logit by half the margin; the rest stay int8's (sampling at a
-        temperature sees them)."""
+        temperature sees them). A constrained choice (a healed text's first tokens) may pick far
+        from the best: `exact` computes every logit from the fp32 lm_head."""
         self.prepare()
+        model = self.model
+        if exact and self.form != "fp32":
+            return torch.mm(h * model.final_norm, model.lm_head.t())
         logits = self._lm_head.mm(h)
         if self.form == "fp32":
             return logits
@@ -273,26 +318,73 @@ class LeanCpu:
         rows, cols = torch.nonzero(
             logits >= logits.amax(dim=-1, keepdim=True) - LEAN_EXACT_MARGIN, as_tuple=True
         )
-        model = self.model
-        exact = torch.linalg.vecdot(model.lm_head[cols], (h * model.final_norm)[rows])
-        return logits.index_put_((rows, cols), exact)
+        exact_best = torch.linalg.vecdot(model.lm_head[cols], (h * model.final_norm)[rows])
+        return logits.index_put_((rows, cols), exact_best)
 
-    def _forward(self, tokens: list[int], rope: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The decoder layers over rows of `tokens`, RoPE'd by rope ([D, D] for rows at one
-        position, [n, D, D] per row), attention by `attend`; logits [n, V]."""
-        self.prepare()
+    def _rope(self, position: int, count: int) -> torch.Tensor:
+        """RoPE of `count` rows from `position`: [D, D] for one, [count, D, D] for more."""
+        inv_freq = self.model.inv_freq
+        if count == 1:
+            return ref.rope_matrix(position, inv_freq)
+        return torch.stack(
+            [ref.rope_matrix(p, inv_freq) for p in range(position, position + count)]
+        )
+
+    def _checked(
+        self,
+        tokens: list[int],
+        rope: torch.Tensor,
+        attend: Attend,
+        exact_logits: bool,
+        undo: Callable[[], None],
+    ) -> torch.Tensor:
+        """`_forward` over the model's weights; in the int4 form, unless the step is decisive,
+        computed again from the fp32 weights after `undo` (which forgets what the first attempt
+        added)."""
+        if self.exact_layers is None or not self.guarded:
+            return self._forward(tokens, rope, attend, self.layers, exact_logits)
+        logits = self._forward(tokens, rope, attend, self.layers, exact_logits, track_routing=True)
+        if self._decisive(logits):
+            return logits
+        self.recomputed += 1
+        undo()
+        return self._forward(tokens, rope, attend, self.exact_layers, exact_logits)
+
+    def _decisive(self, logits: torch.Tensor) -> bool:
+        """Whether the forward just run (its routing tracked) picks what fp32 would: no routing
+        decision within ROUTE_MARGIN, no row's best logit within LOGIT_MARGIN of its second."""
+        if self._closest_route < ROUTE_MARGIN:
+            return False
+        best_two = logits.topk(2, dim=-1).values
+        return (best_two[:, 0] - best_two[:, 1]).min().item() >= LOGIT_MARGIN
+
+    def _forward(
+        self,
+        tokens: list[int],
+        rope: torch.Tensor,
+        attend: Attend,
+        layers: list[LeanLayer],
+        exact_logits: bool = False,
+        track_routing: bool = False,
+    ) -> torch.Tensor:
+        """The decoder `layers` over rows of `tokens`, RoPE'd by rope ([D, D] for rows at one
+        position, [n, D, D] per row), attention by `attend`; logits [n, V] (`logits`).
+        `track_routing`: keep the closest routing decision in `_closest_route`."""
         model = self.model
+        if track_routing:
+            self._closest_route = math.inf
         if len(tokens) == 1:  # a vector, a view: every update below makes a new tensor
             x = model.embed[tokens[0]]
         else:
             x = model.embed[torch.tensor(tokens)]  # [n, H], a copy
-        for index, (layer, lean) in enumerate(zip(model.layers, self.layers)):
+        input_dtype = lean_matrices.INPUT_DTYPE[self.form if layers is self.layers else "fp32"]
+        for index, (layer, lean) in enumerate(zip(model.layers, layers)):
             q, k, v = self._qkv(x, lean, rope)
             out = attend(index, q, k, v)
             out = out.view(-1) if x.dim() == 1 else out.reshape(x.shape[0], -1)  # [..., Hq D]
             x = lean.w_o.addmm(x, out)  # the residual added inside the product
-            x = self._mlp(x, layer, lean)
-        return self.head(x)
+            x = self._mlp(x, layer, lean, input_dtype, track_routing)
+        return self.head(x, exact_logits)
 
     def _qkv(self, x: torch.Tensor, lean: LeanLayer, rope: torch.Tensor):
         """Rows x [..., H] -> q [..., Hq, D] (normed, rotated, scaled), k [..., Hkv, D] (normed,
@@ -311,8 +403,16 @@ class LeanCpu:
             return qk[:n_q], qk[n_q:], qkv[n_qk:]
         return qk[:, :n_q], qk[:, n_q:], qkv[:, n_qk:]
 
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights, lean: LeanLayer) -> torch.Tensor:
-        """x [..., H] (attention's residual added) plus the layer's MLP or MoE of it."""
+    def _mlp(
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        lean: LeanLayer,
+        input_dtype: torch.dtype,
+        track_routing: bool,
+    ) -> torch.Tensor:
+        """x [..., H] (attention's residual added) plus the layer's MLP or MoE of it, the
+        experts' inputs in `input_dtype`."""
         if layer.b_o is not None:
             x = x + layer.b_o
         if layer.router is None:
@@ -321,7 +421,9 @@ class LeanCpu:
         # MoE: routing in Python (a handful of logits per row), each chosen expert read in place.
         h = _normed(x, self.eps)  # the norm's weight is in the router and expert copies
         logits = _router_logits(lean.router, h)
-        h = h.to(self._input_dtype)  # once for every expert
+        if track_routing:
+            self._closest_route = min(self._closest_route, closest_route(logits, self.top_k))
+        h = h.to(input_dtype)  # once for every expert
         if x.dim() == 1:  # one row: each expert's output into the residual, weighted inside
             for expert, weight in ref.route_one(logits[0], self.top_k, self.norm_topk):
                 gate, up = lean.gate_up[expert].mm(h).view(2, -1)
@@ -366,6 +468,17 @@ def _normed_product(w: LeanMatrix, add: torch.Tensor, x: torch.Tensor, eps: floa
     if x.dim() == 1:
         return w.addmm(add, x, alpha=_inv_rms_one(x, eps))
     return w.addmm(add, x * _inv_rms_rows(x, eps))
+
+
+def closest_route(logits: list[list[float]], top_k: int) -> float:
+    """The smallest gap over rows of router logits between the last expert chosen (of top_k)
+    and the first left out: how near a routing decision came to going the other way."""
+    gaps = [math.inf]
+    for row in logits:
+        if len(row) > top_k:
+            ordered = sorted(row, reverse=True)
+            gaps.append(ordered[top_k - 1] - ordered[top_k])
+    return min(gaps)
 
 
 def _router_logits(router: torch.Tensor, h: torch.Tensor) -> list[list[float]]:

@@ -17,6 +17,10 @@ one interface, products of rows x [n, in]:
   streams an eighth of fp32's bytes at the cost of activation rounding alone. `int4_codes` says
   whether a model's matrices are of that kind; the form refuses a matrix that is not.
 
+- `ModelFp32Matrix`: the model's own fp32 [out, in] weights, read in place: the int4 form's exact
+  recompute of the steps its rounding could decide otherwise (engine.model.lean_cpu), which costs
+  no memory beyond the model's and is slower per product than `Fp32Matrix`'s copy.
+
 An RMSNorm weight in front of a product can be folded into its columns (`in_scale`), so the norm
 is one scalar. Both are derived from the weights when built; weights changed later are not seen
 (nothing in the engine changes them).
@@ -29,11 +33,17 @@ import functools
 import torch
 
 FORMS = ("int8", "fp32", "int4")
+MODEL_FP32 = "model-fp32"  # the exact recompute's form (`ModelFp32Matrix`), never a user's choice
 # The dtype each form takes its activations in: converting a vector once, for all the products
 # it feeds, saves a conversion per product.
 # int4 takes fp32: its products scale the activations first (the norm weight it cannot fold), and
 # one rounding to bf16 after that scale is the kernel's only input rounding.
-INPUT_DTYPE = {"int8": torch.bfloat16, "fp32": torch.float32, "int4": torch.float32}
+INPUT_DTYPE = {
+    "int8": torch.bfloat16,
+    "fp32": torch.float32,
+    "int4": torch.float32,
+    MODEL_FP32: torch.float32,
+}
 INT4_GROUPS = (32, 64, 128)  # the group sizes engine.loading.int4 writes that the kernel takes
 INT4_MAX = 7  # the largest magnitude of each group's values, as that quantizer writes them
 
@@ -67,6 +77,32 @@ class Fp32Matrix:
         if alpha == 1.0:  # a product without alpha dispatches faster
             return torch.addmm(add, x, self.t.t())
         return torch.addmm(add, x, self.t.t(), alpha=alpha)
+
+
+class ModelFp32Matrix:
+    __slots__ = ("w", "in_scale")
+
+    def __init__(self, w: torch.Tensor, in_scale: torch.Tensor | None = None):
+        """w [out, in] fp32, not copied; in_scale [in] multiplies the activations instead of
+        being folded into a copy of w."""
+        self.w, self.in_scale = w, in_scale
+
+    nbytes = 0  # the model's own tensors
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.in_scale is None else x * self.in_scale
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for one row x [in] or rows x [n, in]: [..., out]."""
+        x = self._scaled(x)
+        return torch.mv(self.w, x) if x.dim() == 1 else torch.mm(x, self.w.t())
+
+    def addmm(self, add: torch.Tensor, x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """add + alpha x W^T; add [out] or [n, out]."""
+        x = self._scaled(x)
+        if x.dim() == 1:
+            return torch.addmv(add, self.w, x, alpha=alpha)
+        return torch.addmm(add, x, self.w.t(), alpha=alpha)
 
 
 class _KernelMatrix:
@@ -199,8 +235,11 @@ def matrix(
     in_scale: torch.Tensor | None = None,
     group: int = 32,
     codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> Fp32Matrix | Int8Matrix | Int4Matrix:
-    """w in `form`; `group` and `codes` (w's int4 values and scales, if known) for int4."""
+) -> Fp32Matrix | Int8Matrix | Int4Matrix | ModelFp32Matrix:
+    """w in `form` (one of FORMS, or MODEL_FP32); `group` and `codes` (w's int4 values and scales,
+    if known) for int4."""
+    if form == MODEL_FP32:
+        return ModelFp32Matrix(w, in_scale)
     if form not in FORMS:
         raise ValueError(f"lean decode weights are one of {FORMS}, not {form!r}")
     if form == "int4":

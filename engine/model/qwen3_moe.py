@@ -135,22 +135,25 @@ class Qwen3MoeModel:
         positions: torch.Tensor,
         cache: ModelCache,
         last_only: bool = False,
+        exact_logits: bool = False,
     ) -> torch.Tensor:
         """tokens, positions [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), fp32.
 
         K/V of these tokens are written into `cache` at their positions; each query attends to
-        every cached key at or before its own position.
+        every cached key at or before its own position. `exact_logits`: the lean CPU forward's
+        int8 lm_head (engine.model.lean_cpu) gives way to the fp32 one, for a constrained
+        choice that may pick far from the best logit.
         """
         if not self.small_on_cpu:
-            return self._forward(tokens, positions, cache, last_only)
+            return self._forward(tokens, positions, cache, last_only, exact_logits)
         with cpu_threads.intra_op_threads(cpu_threads.for_forward(tokens.numel())):
-            return self._forward(tokens, positions, cache, last_only)
+            return self._forward(tokens, positions, cache, last_only, exact_logits)
 
-    def _forward(self, tokens, positions, cache: ModelCache, last_only):
+    def _forward(self, tokens, positions, cache: ModelCache, last_only, exact_logits):
         cfg = self.config
         batch, n_tokens = tokens.shape
         if batch == 1 and n_tokens == 1 and self.lean is not None:
-            logits = self.lean.tail([int(tokens[0, 0])], int(positions[0, 0]), cache)
+            logits = self.lean.tail([int(tokens[0, 0])], int(positions[0, 0]), cache, exact_logits)
             if logits is not None:
                 return logits[None]
         cache.reserve(int(positions.max()) + 1)
@@ -164,7 +167,7 @@ class Qwen3MoeModel:
             if batch == 1 and self.lean is not None:
                 # The lean forward's lm_head reads a small model's head faster than F.linear's
                 # one-row case does, the more so in int8.
-                return self.lean.head(x[0])[None]
+                return self.lean.head(x[0], exact_logits)[None]
         x = ref.rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return linear(x, self.lm_head).float()
 
@@ -183,18 +186,23 @@ class Qwen3MoeModel:
 
     @torch.inference_mode()
     def forward_beams(
-        self, tokens: list[int], position: int, cache: ModelCache, tails: BeamKeys
+        self,
+        tokens: list[int],
+        position: int,
+        cache: ModelCache,
+        tails: BeamKeys,
+        exact_logits: bool = False,
     ) -> torch.Tensor | None:
         """Logits [B, V] of B beams' newest tokens, all at `position`, by the lean CPU forward:
         each beam sees the cache's positions 0..position-1 (the prompt, which every beam shares
         and none writes) and then its own tokens, whose K/V `tails`
         (engine.decoding.beam_search.BeamTails) holds and gains here. None where the lean forward
         does not apply: callers search only where `lean_path_applies()`, else they decode
-        greedily."""
+        greedily. `exact_logits`: as for `forward`."""
         if self.lean is None:
             return None
         with cpu_threads.intra_op_threads():
-            return self.lean.beams(tokens, position, cache, tails)
+            return self.lean.beams(tokens, position, cache, tails, exact_logits)
 
 
 def weight_bytes(model: Qwen3MoeModel) -> int:

@@ -194,7 +194,9 @@ def test_generate_and_the_engine_give_the_same_beam_answer(shipped, form, monkey
     rows = []  # the beams of every search step: proof that the search ran, not greedy
     lean = model.forward_beams
     monkeypatch.setattr(
-        model, "forward_beams", lambda tokens, *a: (rows.append(len(tokens)), lean(tokens, *a))[1]
+        model,
+        "forward_beams",
+        lambda tokens, *a, **kw: (rows.append(len(tokens)), lean(tokens, *a, **kw))[1],
     )
     prompt = build_fim_prompt(tok, PREFIX, SUFFIX, "spm", heal=True)
     forced = healed_text(tok, PREFIX)

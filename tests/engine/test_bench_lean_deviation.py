@@ -15,8 +15,8 @@ from engine.models import embedded_model_dir
 def test_the_closest_route_is_the_smallest_gap_at_the_top_k_boundary():
     rows = [[0.5, 2.0, 1.0, 1.25], [3.0, 0.0, 2.9, 2.0]]
     # top-2 of row 0: 2.0, 1.25 (next 1.0): 0.25; of row 1: 3.0, 2.9 (next 2.0): 0.9
-    assert lean_deviation.closest_route(rows, 2) == pytest.approx(0.25)
-    assert lean_deviation.closest_route([[1.0, 2.0]], 2) == math.inf  # nothing left out
+    assert lean_cpu.closest_route(rows, 2) == pytest.approx(0.25)
+    assert lean_cpu.closest_route([[1.0, 2.0]], 2) == math.inf  # nothing left out
 
 
 def test_routing_is_watched_only_inside_the_block():
@@ -35,7 +35,8 @@ def test_each_step_compares_the_lean_logits_with_the_general_paths(tmp_path):
             json.dumps({"id": f"t{i}", "lang": "python", "text": text[i:]}) + "\n" for i in (0, 5)
         )
     )
-    rows = lean_deviation.measure(embedded_model_dir(), heldout, 2, 3, "int8")
+    rows, recomputed = lean_deviation.measure(embedded_model_dir(), heldout, 2, 3, "int8")
+    assert recomputed == 0  # only the int4 form checks its steps
     assert len(rows) == 6
     assert [r["route"] == math.inf for r in rows] == [True, False, False] * 2  # after the prompt
     stepped = [r for r in rows if r["route"] != math.inf]

@@ -8,9 +8,11 @@ from engine.loading.random_model import TINY, random_model
 from engine.model.lean_matrices import (
     FORMS,
     INPUT_DTYPE,
+    MODEL_FP32,
     Fp32Matrix,
     Int4Matrix,
     Int8Matrix,
+    ModelFp32Matrix,
     int4_codes,
     int8_available,
     matrix,
@@ -104,10 +106,30 @@ def test_fp32_products_are_the_plain_ones():
     assert m.nbytes == 96 * 64 * 4
 
 
+def test_model_fp32_products_read_the_models_weights_in_place():
+    w, norm = (
+        _weights(96, 64, seed=16),
+        1 + torch.rand(64, generator=torch.Generator().manual_seed(17)),
+    )
+    m = ModelFp32Matrix(w, norm)
+    assert m.w is w and m.nbytes == 0  # no copy
+    g = torch.Generator().manual_seed(18)
+    x, add = torch.randn(5, 64, generator=g), torch.randn(5, 96, generator=g)
+    want = x @ (w * norm).t()
+    close = dict(rtol=1e-5, atol=1e-5)
+    for rows in (slice(None), slice(0, 1), 0):  # rows, one row, a vector
+        torch.testing.assert_close(m.mm(x[rows]), want[rows], **close)
+        torch.testing.assert_close(
+            m.addmm(add[rows], x[rows], alpha=0.5), add[rows] + 0.5 * want[rows], **close
+        )
+    torch.testing.assert_close(ModelFp32Matrix(w).mm(x), x @ w.t(), **close)
+
+
 def test_forms_are_named():
     w = _weights(8, 16)
     assert isinstance(matrix("int8", w), Int8Matrix) and isinstance(matrix("fp32", w), Fp32Matrix)
-    assert set(FORMS) == set(INPUT_DTYPE)
+    assert set(FORMS) | {MODEL_FP32} == set(INPUT_DTYPE)
+    assert isinstance(matrix(MODEL_FP32, w), ModelFp32Matrix)
     with pytest.raises(ValueError, match="lean decode weights are one of"):
         matrix("int2", w)
     with pytest.raises(ValueError, match="not int4 groups of 32 exactly"):
@@ -217,6 +239,7 @@ def test_int4_step_of_an_int4_trained_model_matches_its_own_arithmetic():
     logits = {}
     for form in ("fp32", "int4"):
         model = base.with_options(lean_weights=form)
+        model.lean.guarded = False  # the int4 step itself (its guard: test_lean_int4_guard.py)
         cache = model.new_cache(1)
         model.forward(torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], cache)
         cache.used = 4
