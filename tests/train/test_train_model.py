@@ -40,7 +40,9 @@ def test_every_moe_form_gives_the_sparse_logits_and_gradients(form):
     ids = torch.randint(0, TINY["vocab_size"], (3, 17))
     ls, aux_s, want = _loss_and_grads(models["sparse"], ids)
     lf, aux_f, got = _loss_and_grads(models[form], ids)
-    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order (and split across threads differently): the error scales with
+    # the logits, about 1e-6 of the largest through 4x-initialised layers.
+    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5 * float(ls.abs().max()))
     torch.testing.assert_close(aux_f, aux_s)
     assert ls.std() > 0.1  # not a degenerate comparison
     for name, g in want.items():
