@@ -9,6 +9,13 @@ routing flip, not rounding, moved the logits.
 Prints the moves' quantiles, and for pairs of thresholds (routing gap, top-2 logit gap) the share
 of steps a guard deferring below them would send to fp32, and how many steps it would keep whose
 top-2 gap their move could close (unsafe).
+
+    python -m engine.bench.lean_deviation --model DIR --files 40 --steps 12 --per-layer
+
+instead measures, layer by layer, how far the int4 step's routing strays from its own fp32
+recompute's (the guard's, over the same cache) on greedy steps: the change in each layer's
+closest routing gap, and the routing decisions that flipped, which is what a routing margin must
+cover.
 """
 
 from __future__ import annotations
@@ -32,14 +39,15 @@ BEST = 5  # the general path's best logits each step's move is measured on
 
 
 @contextlib.contextmanager
-def watching_routing(top_k: int):
-    """The closest routing gap of each lean router call inside the block, in a list."""
-    seen: list[float] = []
+def watching_routing(top_k: int, keep_logits: bool = False):
+    """The closest routing gap of each lean router call inside the block (or with
+    `keep_logits`, its router logits), in a list."""
+    seen: list = []
     original = lean_cpu._router_logits
 
     def recording(router, h):
         logits = original(router, h)
-        seen.append(lean_cpu.closest_route(logits, top_k))
+        seen.append(logits if keep_logits else lean_cpu.closest_route(logits, top_k))
         return logits
 
     lean_cpu._router_logits = recording
@@ -105,6 +113,63 @@ def _steps(lean, general, ids: list[int], steps: int, routing: list[float]) -> l
     return out
 
 
+@torch.inference_mode()
+def router_noise(model, ids: list[int], steps: int) -> list[list[dict]]:
+    """Per layer, each greedy step's routing in the int4 lean step against the same step
+    recomputed from fp32 weights (the guard's recompute), over one cache: the fp32 gap at the
+    top-k boundary, its change, and whether the chosen experts differ."""
+    lean = model.lean
+    lean.prepare()
+    top_k = model.config.num_experts_per_tok
+    per_layer: list[list[dict]] = [[] for _ in range(model.config.num_layers)]
+    cache = model.new_cache(1, capacity=len(ids) + steps + 1)
+    logits = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache, True)[0, -1]
+    token, position = int(logits.argmax()), len(ids)
+    for _ in range(steps):
+        routed = {}
+        # fp32 first: the int4 step's K/V are the ones left in the cache, as in guarded decoding.
+        for name, layers in (("fp32", lean.exact_layers), ("int4", lean.layers)):
+            with watching_routing(top_k, keep_logits=True) as seen:
+                rows = cache.lean_rows(position, 1)
+                logits = lean._forward(
+                    [token], lean._rope(position, 1), lean_cpu.CacheRows(cache, rows), layers
+                )[0]
+            routed[name] = seen
+        for layer, (exact, rounded) in enumerate(zip(routed["fp32"], routed["int4"])):
+            exact, rounded = torch.tensor(exact[0]), torch.tensor(rounded[0])
+            order = exact.argsort(descending=True)
+            low, high = order[top_k], order[top_k - 1]
+            gap = float(exact[high] - exact[low])
+            per_layer[layer].append(
+                {
+                    "gap": gap,
+                    "change": abs(gap - float(rounded[high] - rounded[low])),
+                    "flip": set(order[:top_k].tolist())
+                    != set(rounded.topk(top_k).indices.tolist()),
+                }
+            )
+        token, position = int(logits.argmax()), position + 1
+    return per_layer
+
+
+def _per_layer_summary(per_layer: list[list[dict]]) -> list[dict]:
+    out = []
+    for layer, rows in enumerate(per_layer):
+        changes = sorted(r["change"] for r in rows)
+        out.append(
+            {
+                "layer": layer,
+                "steps": len(rows),
+                "change_p50": changes[len(changes) // 2],
+                "change_p99": changes[min(len(changes) - 1, int(0.99 * len(changes)))],
+                "change_max": changes[-1],
+                "flips": sum(r["flip"] for r in rows),
+                "gap_under_0.01": sum(r["gap"] < 0.01 for r in rows),
+            }
+        )
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -118,8 +183,25 @@ def main(argv=None) -> int:
         help="measure the int4 step with its guard (engine.model.lean_cpu), which computes the "
         "steps that are not decisive again from fp32 weights; without it, the int4 step alone",
     )
+    ap.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="the int4 step's routing against its fp32 recompute, layer by layer (int4 models)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.per_layer:
+        model = load_model(args.model, options=ModelOptions(lean_weights="int4"))
+        tok = Tokenizer.from_dir(args.model)
+        per_layer: list[list[dict]] = [[] for _ in range(model.config.num_layers)]
+        for ids in prompts(args.heldout, tok, args.files):
+            for layer, rows in enumerate(router_noise(model, ids, args.steps)):
+                per_layer[layer].extend(rows)
+        summary = _per_layer_summary(per_layer)
+        print(json.dumps(summary, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=1))
+        return 0
     rows, recomputed = measure(
         args.model, args.heldout, args.files, args.steps, args.form, args.guarded
     )

@@ -63,8 +63,15 @@ LEAN_EXACT_MARGIN = 1.0
 # step's logits came at a routing near-tie, and steps clear of one moved well under LOGIT_MARGIN
 # / 2 (BENCHMARKS.md, engine.bench.lean_deviation), so a decisive step picks what fp32 picks.
 # The earlier rows' K/V stay the int4 step's: the measurement above kept them too.
+# Only the rows whose answer is used count: a draft's rows past the first one greedy rejects are
+# thrown away (`_rows_used`). A routing near-tie in a used row is known before the step ends, so
+# the int4 step stops there (`_Undecided`) instead of computing layers whose result is dropped.
 ROUTE_MARGIN = 0.01
 LOGIT_MARGIN = 0.3
+
+
+class _Undecided(Exception):
+    """An int4 forward met a routing near-tie in a row whose answer is used."""
 
 
 @dataclass
@@ -226,7 +233,10 @@ class LeanCpu:
         self.guarded = True
         self.steps = 0  # forwards of new rows (`tail`, `beams`)
         self.recomputed = 0  # of them, computed again from fp32 weights
-        self._closest_route = math.inf  # the current forward's, while it is tracked
+        # While a guarded int4 forward runs: each row's closest routing decision so far, and how
+        # many leading rows are used whatever the logits say (a near-tie in one ends the forward).
+        self._row_routes: list[float] | None = None
+        self._rows_always_used = 0
         cfg = model.config
         # Read in every layer of every step: looked up once.
         self.eps, self.head_dim = cfg.rms_norm_eps, cfg.head_dim
@@ -268,8 +278,9 @@ class LeanCpu:
         self.prepare()
         self.steps += 1
         rope, attend = self._rope(position, len(tokens)), CacheRows(cache, rows)
-        # Computed again, a step's K/V overwrite the same slots: nothing to undo.
-        return self._checked(tokens, rope, attend, exact_logits, lambda: None)
+        # Computed again, a step's K/V overwrite the same slots: nothing to undo. Rows after the
+        # first verify a speculative draft (engine.decoding.prompt_lookup).
+        return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft=True)
 
     def beams(
         self,
@@ -337,25 +348,36 @@ class LeanCpu:
         attend: Attend,
         exact_logits: bool,
         undo: Callable[[], None],
+        draft: bool = False,
     ) -> torch.Tensor:
-        """`_forward` over the model's weights; in the int4 form, unless the step is decisive,
-        computed again from the fp32 weights after `undo` (which forgets what the first attempt
-        added)."""
+        """`_forward` over the model's weights; in the int4 form, unless the step is decisive in
+        the rows whose answer is used, computed again from the fp32 weights after `undo` (which
+        forgets what the first attempt added). `draft`: the rows after the first verify a draft
+        (`_rows_used`); otherwise every row is used."""
         if self.exact_layers is None or not self.guarded:
             return self._forward(tokens, rope, attend, self.layers, exact_logits)
-        logits = self._forward(tokens, rope, attend, self.layers, exact_logits, track_routing=True)
-        if self._decisive(logits):
-            return logits
+        self._row_routes = [math.inf] * len(tokens)
+        self._rows_always_used = 1 if draft else len(tokens)
+        try:
+            logits = self._forward(tokens, rope, attend, self.layers, exact_logits)
+            used = _rows_used(tokens, logits) if draft else len(tokens)
+            if self._decisive(logits, used):
+                return logits
+        except _Undecided:
+            pass
+        finally:
+            self._row_routes = None
         self.recomputed += 1
         undo()
         return self._forward(tokens, rope, attend, self.exact_layers, exact_logits)
 
-    def _decisive(self, logits: torch.Tensor) -> bool:
-        """Whether the forward just run (its routing tracked) picks what fp32 would: no routing
-        decision within ROUTE_MARGIN, no row's best logit within LOGIT_MARGIN of its second."""
-        if self._closest_route < ROUTE_MARGIN:
+    def _decisive(self, logits: torch.Tensor, used: int) -> bool:
+        """Whether the forward just run (its routing tracked) picks what fp32 would in its first
+        `used` rows: no routing decision within ROUTE_MARGIN, no best logit within LOGIT_MARGIN
+        of its second."""
+        if min(self._row_routes[:used]) < ROUTE_MARGIN:
             return False
-        best_two = logits.topk(2, dim=-1).values
+        best_two = logits[:used].topk(2, dim=-1).values
         return (best_two[:, 0] - best_two[:, 1]).min().item() >= LOGIT_MARGIN
 
     def _forward(
@@ -365,14 +387,11 @@ class LeanCpu:
         attend: Attend,
         layers: list[LeanLayer],
         exact_logits: bool = False,
-        track_routing: bool = False,
     ) -> torch.Tensor:
         """The decoder `layers` over rows of `tokens`, RoPE'd by rope ([D, D] for rows at one
-        position, [n, D, D] per row), attention by `attend`; logits [n, V] (`logits`).
-        `track_routing`: keep the closest routing decision in `_closest_route`."""
+        position, [n, D, D] per row), attention by `attend`; logits [n, V] (`logits`). While
+        `_row_routes` is set, routing is tracked in it (`_track`)."""
         model = self.model
-        if track_routing:
-            self._closest_route = math.inf
         if len(tokens) == 1:  # a vector, a view: every update below makes a new tensor
             x = model.embed[tokens[0]]
         else:
@@ -383,7 +402,7 @@ class LeanCpu:
             out = attend(index, q, k, v)
             out = out.view(-1) if x.dim() == 1 else out.reshape(x.shape[0], -1)  # [..., Hq D]
             x = lean.w_o.addmm(x, out)  # the residual added inside the product
-            x = self._mlp(x, layer, lean, input_dtype, track_routing)
+            x = self._mlp(x, layer, lean, input_dtype)
         return self.head(x, exact_logits)
 
     def _qkv(self, x: torch.Tensor, lean: LeanLayer, rope: torch.Tensor):
@@ -409,7 +428,6 @@ class LeanCpu:
         layer: LayerWeights,
         lean: LeanLayer,
         input_dtype: torch.dtype,
-        track_routing: bool,
     ) -> torch.Tensor:
         """x [..., H] (attention's residual added) plus the layer's MLP or MoE of it, the
         experts' inputs in `input_dtype`."""
@@ -421,8 +439,8 @@ class LeanCpu:
         # MoE: routing in Python (a handful of logits per row), each chosen expert read in place.
         h = _normed(x, self.eps)  # the norm's weight is in the router and expert copies
         logits = _router_logits(lean.router, h)
-        if track_routing:
-            self._closest_route = min(self._closest_route, closest_route(logits, self.top_k))
+        if self._row_routes is not None:
+            self._track(logits)
         h = h.to(input_dtype)  # once for every expert
         if x.dim() == 1:  # one row: each expert's output into the residual, weighted inside
             for expert, weight in ref.route_one(logits[0], self.top_k, self.norm_topk):
@@ -444,6 +462,27 @@ class LeanCpu:
             )  # fp32
             x = x.add_(y) if every else x.index_add_(0, torch.tensor(rows), y)
         return x
+
+    def _track(self, logits: list[list[float]]) -> None:
+        """Keep each row's closest routing decision; end the forward (`_Undecided`) at a
+        near-tie in a row that is used whatever the logits say."""
+        gaps = route_gaps(logits, self.top_k)
+        self._row_routes = [min(a, b) for a, b in zip(self._row_routes, gaps)]
+        if min(gaps[: self._rows_always_used]) < ROUTE_MARGIN:
+            raise _Undecided
+
+
+def _rows_used(tokens: list[int], logits: torch.Tensor) -> int:
+    """How many leading rows of a draft's verification greedy decoding may read: row j picks
+    the token after tokens[j], and the rows after the first whose pick rejects the draft are
+    thrown away. A pick rejects the draft where the drafted token's logit is more than
+    LOGIT_MARGIN below the row's best (within it, the row is decisive only if the drafted token
+    is the best). The tokens greedy never picks (control tokens) are taken never to be a row's
+    best by that much."""
+    drafted = torch.tensor(tokens[1:])[:, None]
+    below = logits[:-1].amax(dim=-1) - logits[:-1].gather(1, drafted)[:, 0]
+    rejected = torch.nonzero(below > LOGIT_MARGIN)
+    return len(tokens) if len(rejected) == 0 else int(rejected[0, 0]) + 1
 
 
 # One row's RMSNorm scale is a Python float, which rides on the product that follows as its
@@ -470,15 +509,19 @@ def _normed_product(w: LeanMatrix, add: torch.Tensor, x: torch.Tensor, eps: floa
     return w.addmm(add, x * _inv_rms_rows(x, eps))
 
 
-def closest_route(logits: list[list[float]], top_k: int) -> float:
-    """The smallest gap over rows of router logits between the last expert chosen (of top_k)
-    and the first left out: how near a routing decision came to going the other way."""
-    gaps = [math.inf]
+def route_gaps(logits: list[list[float]], top_k: int) -> list[float]:
+    """Each row's gap in router logits between the last expert chosen (of top_k) and the first
+    left out: how near its routing decision came to going the other way."""
+    gaps = []
     for row in logits:
-        if len(row) > top_k:
-            ordered = sorted(row, reverse=True)
-            gaps.append(ordered[top_k - 1] - ordered[top_k])
-    return min(gaps)
+        ordered = sorted(row, reverse=True)
+        gaps.append(ordered[top_k - 1] - ordered[top_k] if len(row) > top_k else math.inf)
+    return gaps
+
+
+def closest_route(logits: list[list[float]], top_k: int) -> float:
+    """The smallest of the rows' `route_gaps`."""
+    return min(route_gaps(logits, top_k), default=math.inf)
 
 
 def _router_logits(router: torch.Tensor, h: torch.Tensor) -> list[list[float]]:

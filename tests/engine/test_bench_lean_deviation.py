@@ -8,7 +8,7 @@ import pytest
 
 from engine.bench import lean_deviation
 from engine.model import lean_cpu
-from engine.model.lean_matrices import int8_available
+from engine.model.lean_matrices import int4_available, int8_available
 from engine.models import embedded_model_dir
 
 
@@ -42,3 +42,25 @@ def test_each_step_compares_the_lean_logits_with_the_general_paths(tmp_path):
     stepped = [r for r in rows if r["route"] != math.inf]
     assert all(0 < r["route"] < math.inf and r["gap"] >= 0 for r in stepped)
     assert all(0 < r["move"] < 1.0 for r in rows)  # int8 rounding moves logits, a little
+
+
+@pytest.mark.skipif(not int4_available(), reason="this torch lacks the CPU int4 product")
+def test_router_noise_compares_each_layers_routing_with_the_fp32_recompute():
+    import torch
+
+    from engine.loading.random_model import TINY, random_model
+
+    model = random_model(
+        dict(TINY, vocab_size=512), dtype=torch.float32, seed=31, quant="int4", quant_size=32
+    ).dequantized()
+    model = model.with_options(lean_weights="int4")
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(3)).tolist()
+    per_layer = lean_deviation.router_noise(model, ids, 4)
+    assert len(per_layer) == model.config.num_layers
+    assert all(len(rows) == 4 for rows in per_layer)
+    changes = [r["change"] for rows in per_layer for r in rows]
+    # bf16 activations move the router's logits a little, never by much on this scale
+    assert 0 < max(changes) < 0.5 and all(r["gap"] >= 0 for rows in per_layer for r in rows)
+    summary = lean_deviation._per_layer_summary(per_layer)
+    assert [s["layer"] for s in summary] == list(range(model.config.num_layers))
+    assert all(s["change_p50"] <= s["change_p99"] <= s["change_max"] for s in summary)

@@ -98,30 +98,89 @@ def test_decisive_steps_keep_the_int4_result(models, monkeypatch):
         assert 0 < _rel(got, exact) < 2e-2  # bf16 activations: close, not equal
 
 
-def test_the_closest_routing_gap_decides(models, monkeypatch):
-    """The margin between "always" and "never": a step recomputes exactly when its closest
-    routing decision is under ROUTE_MARGIN."""
-    int4, _ = models
-    prompt, tokens = _prompt_and_tokens(3, 1)
+def _routing_gaps(monkeypatch, model, prompt, tokens):
+    """Each row's closest routing decision in a lean int4 forward of `tokens` after `prompt`
+    (a decode step for one token, a draft's verification for more), every step decisive."""
     seen = []
-    original = lean_cpu.closest_route
+    original = lean_cpu.route_gaps
 
     def recording(logits, top_k):
         seen.append(original(logits, top_k))
         return seen[-1]
 
-    monkeypatch.setattr(lean_cpu, "closest_route", recording)
+    monkeypatch.setattr(lean_cpu, "route_gaps", recording)
     _margins(monkeypatch, -math.inf, -math.inf)
-    cache = _prefilled(int4, prompt)
-    int4.forward(torch.tensor([[tokens[0]]]), torch.tensor([[PROMPT]]), cache)
-    closest = min(seen)
-    assert len(seen) == int4.config.num_layers and 0 < closest < math.inf
+    cache = _prefilled(model, prompt)
+    logits = model.forward_tail(tokens, PROMPT, cache)
+    monkeypatch.setattr(lean_cpu, "route_gaps", original)
+    assert len(seen) == model.config.num_layers
+    return [min(layer[row] for layer in seen) for row in range(len(tokens))], logits
+
+
+def _recomputes(model, prompt, tokens) -> bool:
+    before = model.lean.recomputed
+    model.forward_tail(tokens, PROMPT, _prefilled(model, prompt))
+    return model.lean.recomputed > before
+
+
+def test_the_closest_routing_gap_decides(models, monkeypatch):
+    """The margin between "always" and "never": a step recomputes exactly when its closest
+    routing decision is under ROUTE_MARGIN."""
+    int4, _ = models
+    prompt, tokens = _prompt_and_tokens(3, 1)
+    (closest,), _ = _routing_gaps(monkeypatch, int4, prompt, tokens)
+    assert 0 < closest < math.inf
     for margin, recomputes in ((closest * 0.999, False), (closest * 1.001, True)):
         _margins(monkeypatch, margin, -math.inf)
-        cache = _prefilled(int4, prompt)
-        before = int4.lean.recomputed
-        int4.forward(torch.tensor([[tokens[0]]]), torch.tensor([[PROMPT]]), cache)
-        assert (int4.lean.recomputed > before) == recomputes
+        assert _recomputes(int4, prompt, tokens) == recomputes
+
+
+def test_a_routing_near_tie_ends_the_int4_step_at_its_layer(models, monkeypatch):
+    """Its result would be dropped: the int4 forward stops at the first near-tie, and the
+    fp32 one computes every layer."""
+    int4, fp32 = models
+    _margins(monkeypatch, math.inf, 0.3)
+    calls = []
+    original = lean_cpu._router_logits
+    monkeypatch.setattr(lean_cpu, "_router_logits", lambda r, h: calls.append(1) or original(r, h))
+    prompt, tokens = _prompt_and_tokens(7, 1)
+    cache = _prefilled(int4, prompt)
+    got = int4.forward(torch.tensor([tokens]), torch.tensor([[PROMPT]]), cache)[0, -1]
+    assert len(calls) == 1 + int4.config.num_layers
+    want = fp32.forward(torch.tensor([tokens]), torch.tensor([[PROMPT]]), _prefilled(fp32, prompt))
+    assert _same_best(got, want[0, -1])
+
+
+def test_only_the_draft_rows_greedy_may_read_count(models, monkeypatch):
+    """A draft's rows after the first one greedy rejects are thrown away: a near-tie there does
+    not recompute the step; once the draft is accepted through that row, it does."""
+    int4, _ = models
+    for seed in range(20, 60):
+        prompt, tokens = _prompt_and_tokens(seed, 3)
+        gaps, logits = _routing_gaps(monkeypatch, int4, prompt, tokens)
+        if not gaps[0] > min(gaps[1:]):
+            continue
+        accepted = [tokens[0], int(logits[0].argmax()), tokens[2]]
+        accepted_gaps, _ = _routing_gaps(monkeypatch, int4, prompt, accepted)
+        if accepted_gaps[0] > accepted_gaps[1] and int(logits[0].argmax()) != tokens[1]:
+            break
+    else:
+        pytest.fail("no seed gave the rows' routing gaps this test needs")
+    # LOGIT_MARGIN 0: every row decisive by its logits, and row 0 rejects a drafted token that
+    # is not its best.
+    _margins(monkeypatch, (gaps[0] + min(gaps[1:])) / 2, 0.0)
+    assert not _recomputes(int4, prompt, tokens)
+    _margins(monkeypatch, (accepted_gaps[0] + accepted_gaps[1]) / 2, 0.0)
+    assert _recomputes(int4, prompt, accepted)
+
+
+def test_rows_used_stop_after_the_first_rejection():
+    logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 4.0, 3.9], [1.0, 0.0, 9.0]])
+    assert lean_cpu._rows_used([7, 0, 1], logits) == 3  # each drafted token its row's best
+    assert lean_cpu._rows_used([7, 0, 2], logits) == 3  # within LOGIT_MARGIN of row 1's best
+    assert lean_cpu._rows_used([7, 0, 0], logits) == 2  # row 1 rejects it
+    assert lean_cpu._rows_used([7, 1, 0], logits) == 1  # row 0 rejects it
+    assert lean_cpu._rows_used([7], logits[:1]) == 1
 
 
 def test_a_close_second_logit_recomputes(models, monkeypatch):
