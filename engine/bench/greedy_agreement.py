@@ -29,18 +29,17 @@ from engine.prompts.layout import fim_prompt_within
 MAX_TOKENS = 24  # the single-line cap, as the eval and the language server use
 
 
-def arms(model_dir: Path, form: str) -> dict[str, object]:
-    """The models each task is completed by: the general path first (the reference), the lean
-    step, and where the lean step is guarded (int4), the same step without its guard."""
+def arms(model_dir: Path, form: str) -> dict[str, tuple[object, bool]]:
+    """Each arm's model and whether its lean step is guarded: the general path first (the
+    reference), the lean step, and where the lean step is guarded (int4), the same model's step
+    without its guard."""
     general = load_model(model_dir, options=ModelOptions(lean_decode=False))
     lean = load_model(model_dir, options=ModelOptions(lean_weights=form))
     assert lean.lean_path_applies() and not general.lean_path_applies()
-    out = {"general": general, "lean": lean}
+    out = {"general": (general, False), "lean": (lean, True)}
     lean.lean.prepare()
     if lean.lean.exact_layers is not None:  # the int4 form: the guard's own arm
-        unguarded = load_model(model_dir, options=ModelOptions(lean_weights=form))
-        unguarded.lean.guarded = False
-        out["lean-unguarded"] = unguarded
+        out["lean-unguarded"] = (lean, False)
     return out
 
 
@@ -60,7 +59,9 @@ def measure(model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: s
 
     tok = Tokenizer.from_dir(model_dir)
     models = arms(model_dir, form)
-    context = models["general"].config.max_position_embeddings
+    lean = models["lean"][0].lean
+    context = lean.model.config.max_position_embeddings
+    guarded_steps = guarded_recomputed = 0  # the guarded arm's, as the unguarded one counts too
     rows = []
     for task in make_tasks(docs, "single", 0, per_file):
         prompt = fim_prompt_within(
@@ -68,9 +69,15 @@ def measure(model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: s
         )
         forced = healed_text(tok, task.prefix)
         row = {"id": task.doc_id, "middle": task.middle}
-        for name, model in models.items():
+        for name, (model, guarded) in models.items():
+            if model.lean is not None:
+                model.lean.guarded = guarded
+            steps, recomputed = lean.steps, lean.recomputed
             text, ms = _complete(model, tok, prompt, forced)
             row[name] = {"text": text, "exact": exact_match(text, task.middle), "ms": ms}
+            if name == "lean":
+                guarded_steps += lean.steps - steps
+                guarded_recomputed += lean.recomputed - recomputed
         rows.append(row)
     summary = {"tasks": len(rows)}
     for name in models:
@@ -79,8 +86,7 @@ def measure(model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: s
             "exact": sum(r[name]["exact"] for r in rows),
             "ms": round(sum(r[name]["ms"] for r in rows)),
         }
-    lean = models["lean"].lean
-    summary["lean"]["recomputed"] = round(lean.recomputed / max(1, lean.steps), 3)
+    summary["lean"]["recomputed"] = round(guarded_recomputed / max(1, guarded_steps), 3)
     return summary, rows
 
 

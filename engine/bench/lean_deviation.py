@@ -152,7 +152,14 @@ def router_noise(model, ids: list[int], steps: int) -> list[list[dict]]:
     return per_layer
 
 
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q quantile of sorted values (the nearest rank at or below)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _per_layer_summary(per_layer: list[list[dict]]) -> list[dict]:
+    """Per layer: the quantiles of the routing gap's change, the flips, and the near-ties (fp32
+    gap under ROUTE_MARGIN)."""
     out = []
     for layer, rows in enumerate(per_layer):
         changes = sorted(r["change"] for r in rows)
@@ -160,11 +167,11 @@ def _per_layer_summary(per_layer: list[list[dict]]) -> list[dict]:
             {
                 "layer": layer,
                 "steps": len(rows),
-                "change_p50": changes[len(changes) // 2],
-                "change_p99": changes[min(len(changes) - 1, int(0.99 * len(changes)))],
+                "change_p50": _quantile(changes, 0.5),
+                "change_p99": _quantile(changes, 0.99),
                 "change_max": changes[-1],
                 "flips": sum(r["flip"] for r in rows),
-                "gap_under_0.01": sum(r["gap"] < 0.01 for r in rows),
+                "near_ties": sum(r["gap"] < lean_cpu.ROUTE_MARGIN for r in rows),
             }
         )
     return out
@@ -214,7 +221,7 @@ def main(argv=None) -> int:
         "steps": len(stepped),
         "flips": sum(r["flip"] for r in stepped),
         "move_p50": statistics.median(moves),
-        "move_p99": moves[min(len(moves) - 1, int(0.99 * len(moves)))],
+        "move_p99": _quantile(moves, 0.99),
         "move_max": moves[-1],
         "recomputed": recomputed,
         "guards": [],

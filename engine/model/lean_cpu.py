@@ -280,7 +280,8 @@ class LeanCpu:
         rope, attend = self._rope(position, len(tokens)), CacheRows(cache, rows)
         # Computed again, a step's K/V overwrite the same slots: nothing to undo. Rows after the
         # first verify a speculative draft (engine.decoding.prompt_lookup).
-        return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft=True)
+        draft = len(tokens) > 1
+        return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft)
 
     def beams(
         self,
