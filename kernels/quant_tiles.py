@@ -9,16 +9,37 @@ import triton.language as tl
 
 from kernels.quant import FP8_BLOCKS, KernelWeight, scale_tile
 
+# An int4 nibble u OR'ed into the bits of the fp32 2**23 is the fp32 2**23 + u exactly (u sits in
+# the mantissa's low bits), so one subtraction of 2**23 + 8 yields q = u - 8: no int->float
+# conversion, which is a slow instruction.
+INT4_FLOAT_BITS = tl.constexpr(0x4B000000)
+INT4_FLOAT_BIAS = tl.constexpr(8388616.0)  # 2**23 + 8
+
+
+@triton.jit
+def int4_nibbles_to_float(nibbles):
+    """int32 nibbles u in [0, 15] -> fp32 q = u - 8, exact."""
+    return (nibbles | INT4_FLOAT_BITS).to(tl.float32, bitcast=True) - INT4_FLOAT_BIAS
+
+
+@triton.jit
+def int4_plane(words, J: tl.constexpr):
+    """Value J of every int32 word, as fp32 in [-8, 7], in the words' own shape: the weights of
+    columns 8c + J of a tile whose words are c. The mask also drops the copies of the sign bit
+    that int32's arithmetic shift brings in."""
+    return int4_nibbles_to_float((words >> (4 * J)) & 0xF)
+
 
 @triton.jit
 def int4_values(words, COLS: tl.constexpr):
     """int32 words [..., COLS / 8] -> their 4-bit values [..., COLS] as fp32 in [-8, 7]: each
-    word repeated eight times along the last dim, then shifted to its value's nibble."""
+    word repeated eight times along the last dim, then shifted to its value's nibble (in column
+    order, as tl.dot needs; kernels that need no dot read the words by `int4_plane`)."""
     words = tl.interleave(words, words)
     words = tl.interleave(words, words)
     words = tl.interleave(words, words)
     shifts = (tl.arange(0, COLS) % 8) * 4
-    return ((words >> shifts) & 0xF).to(tl.float32) - 8.0
+    return int4_nibbles_to_float((words >> shifts) & 0xF)
 
 
 @triton.jit

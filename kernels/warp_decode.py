@@ -37,7 +37,7 @@ from kernels.quant_tiles import (
     fp8_column_scales,
     fp8_slot_column_scales,
     fp8_values,
-    int4_values,
+    int4_plane,
 )
 from kernels.triton_env import interpreting, next_pow2
 
@@ -72,6 +72,25 @@ def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
             is_pure=False,
             pack=1,
         )
+
+
+@triton.jit
+def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
+    """Sums of q * x over a step, the scales left out, for int4 gate and up words [R, C]; `cols`
+    [C] are the step's columns 8c, x_row points at x's column 0. Plane j (value j of every word)
+    holds columns 8c + j, so it meets x's columns 8c + j, loaded strided: no word is expanded
+    to its eight columns, and x is small enough to come from L1. fp32 [R, C] each."""
+    gate_q = tl.zeros(gate.shape, dtype=tl.float32)
+    up_q = tl.zeros(up.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        if EVEN:
+            xj = tl.load(x_row + cols + j)
+        else:
+            xj = tl.load(x_row + cols + j, mask=cols + j < n_cols, other=0.0)
+        xj = xj.to(tl.float32)[None, :]
+        gate_q += int4_plane(gate, j) * xj
+        up_q += int4_plane(up, j) * xj
+    return gate_q, up_q
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -121,7 +140,8 @@ def _gate_up_silu_kernel(
     mask_i = offs_i < inter
     gate_ptrs = w_ptr + expert * stride_we + offs_i[:, None] * stride_wn + offs_c[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
-    x_ptrs = x_ptr + token * stride_xt + offs_h
+    x_row = x_ptr + token * stride_xt
+    x_ptrs = x_row + offs_h
     if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; the scales are folded into x
         gate_s_ptr = s_ptr + expert * stride_se + (pid_i * BLOCK_I // SCALE_ROWS) * stride_sn
         up_s_ptr = (
@@ -131,12 +151,14 @@ def _gate_up_silu_kernel(
         gate_s_ptr = s_ptr + expert * stride_se + offs_i * stride_sn
         up_s_ptr = gate_s_ptr + inter * stride_sn
 
-    # 2-D accumulators: one cross-lane reduction at the end instead of one per step.
-    acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    # 2-D accumulators: one cross-lane reduction at the end instead of one per step (int4: a
+    # column per word, the sum over its eight values being formed in the step).
+    acc_gate = tl.zeros([BLOCK_I, BLOCK_H // PER_ITEM], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, BLOCK_H // PER_ITEM], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         if EVEN_H:
-            xv = tl.load(x_ptrs).to(tl.float32)
+            if FORMAT != 2:  # int4 reads x plane by plane (_int4_gate_up_sums)
+                xv = tl.load(x_ptrs).to(tl.float32)
             if EVEN_I:
                 gate = tl.load(gate_ptrs, eviction_policy=EVICT)
                 up = tl.load(up_ptrs, eviction_policy=EVICT)
@@ -146,7 +168,8 @@ def _gate_up_silu_kernel(
         else:
             mask_h = (h0 + offs_h) < hidden
             mask_w = mask_i[:, None] & ((h0 + offs_c * PER_ITEM) < hidden)[None, :]
-            xv = tl.load(x_ptrs, mask=mask_h, other=0.0).to(tl.float32)
+            if FORMAT != 2:
+                xv = tl.load(x_ptrs, mask=mask_h, other=0.0).to(tl.float32)
             gate = tl.load(gate_ptrs, mask=mask_w, other=0, eviction_policy=EVICT)
             up = tl.load(up_ptrs, mask=mask_w, other=0, eviction_policy=EVICT)
         if FORMAT == 0:
@@ -159,11 +182,13 @@ def _gate_up_silu_kernel(
             acc_gate += fp8_values(gate) * gate_x[None, :]
             acc_up += fp8_values(up) * up_x[None, :]
         else:
+            # The step lies within one group: its (row, group) scale multiplies the step's sum.
+            gate_q, up_q = _int4_gate_up_sums(gate, up, x_row, h0 + 8 * offs_c, hidden, EVEN_H)
             group = h0 // SCALE_COLS
             gate_s = tl.load(gate_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
             up_s = tl.load(up_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
-            acc_gate += int4_values(gate, BLOCK_H) * gate_s[:, None] * xv[None, :]
-            acc_up += int4_values(up, BLOCK_H) * up_s[:, None] * xv[None, :]
+            acc_gate += gate_q * gate_s[:, None]
+            acc_up += up_q * up_s[:, None]
         x_ptrs += BLOCK_H
         gate_ptrs += BLOCK_H // PER_ITEM
         up_ptrs += BLOCK_H // PER_ITEM
@@ -185,19 +210,39 @@ def _gate_up_silu_kernel(
 
 
 @triton.jit
-def _down_tile(w, s_ptrs, mask_kh, FORMAT: tl.constexpr, BLOCK_I: tl.constexpr):
-    """A loaded down tile [K, BLOCK_H, stored items] -> fp32 [K, BLOCK_H, BLOCK_I]; FP8's
-    scales are folded into the activations instead (one per slot and tile)."""
+def _down_tile(w, FORMAT: tl.constexpr):
+    """A loaded bf16 or FP8 down tile [K, BLOCK_H, BLOCK_I] -> fp32; FP8's scales are folded
+    into the activations instead (one per slot and tile). int4 goes by `_int4_down_step`."""
     # One return: compiled Triton needs every return of a function to have one type, even in
     # branches a constexpr rules out.
-    if FORMAT == 2:
-        scales = tl.load(s_ptrs, mask=mask_kh, other=0.0).to(tl.float32)
-        values = int4_values(w, BLOCK_I) * scales[:, :, None]
-    elif FORMAT == 1:
+    if FORMAT == 1:
         values = fp8_values(w)
     else:
         values = w.to(tl.float32)
     return values
+
+
+@triton.jit
+def _int4_down_step(w, s_ptrs, mask_kh, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.constexpr):
+    """One step of int4 down words w [K, BLOCK_H, C] -> its fp32 [K, BLOCK_H, C] share of the
+    accumulator. `cols` [C] are the step's columns 8c; a_rows [K, 1] points at each slot's
+    activation row, s_ptrs [K, BLOCK_H] at each row's scale of the step's group.
+
+    Plane j (value j of every word) holds columns 8c + j, so it meets the slots' activations of
+    those columns, loaded strided (they come from L1) and times the routing weight in fp32: a
+    [K, C] tile. No word is expanded to its eight columns, and as the step lies within one
+    group, the (row, group) scale multiplies the step's sum once."""
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        if EVEN:
+            a = tl.load(a_rows + (cols + j)[None, :])
+        else:
+            mask_a = mask_k[:, None] & (cols + j < n_cols)[None, :]
+            a = tl.load(a_rows + (cols + j)[None, :], mask=mask_a, other=0.0)
+        a = a.to(tl.float32) * route_w[:, None]
+        part += int4_plane(w, j) * a[:, None, :]
+    scales = tl.load(s_ptrs, mask=mask_kh, other=0.0).to(tl.float32)
+    return part * scales[:, :, None]
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -273,8 +318,10 @@ def _down_kernel(
     else:  # int4: a scale per slot, row and step
         s_ptrs = s_ptr + experts[:, None] * stride_se + offs_h[None, :] * stride_sh
     mask_kh = mask_k[:, None] & mask_h[None, :]
-    a_ptrs = act_ptr + slots[:, None] * inter + offs_i[None, :]
-    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I], dtype=tl.float32)
+    a_rows = act_ptr + slots[:, None] * inter
+    a_ptrs = a_rows + offs_i[None, :]
+    # int4: a column per word, the sum over its eight values being formed in the step.
+    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
     if PRELOAD:  # the first chunk of down rows needs only the routing: load it before the wait
         mask_a0 = mask_k[:, None] & (offs_i < inter)[None, :]
         mask_w0 = mask_k[:, None, None] & mask_h[None, :, None]
@@ -284,28 +331,48 @@ def _down_kernel(
         tl.extra.cuda.gdc_wait()
     i_start = 0
     if PRELOAD:
-        a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
-        if FORMAT == 1:
-            a0 = a0 * fp8_slot_column_scales(s_ptrs, 0, inter, K_PAD, BLOCK_I, SCALE_COLS)
-        acc += _down_tile(w0, s_ptrs, mask_kh, FORMAT, BLOCK_I) * a0[:, None, :]
+        if FORMAT == 2:
+            acc += _int4_down_step(
+                w0, s_ptrs, mask_kh, a_rows, 8 * offs_c, inter, mask_k, route_w, EVEN_K and EVEN_I
+            )
+        else:
+            a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
+            if FORMAT == 1:
+                a0 = a0 * fp8_slot_column_scales(s_ptrs, 0, inter, K_PAD, BLOCK_I, SCALE_COLS)
+            acc += _down_tile(w0, FORMAT) * a0[:, None, :]
         a_ptrs += BLOCK_I
         w_ptrs += BLOCK_I // PER_ITEM
         i_start = BLOCK_I
     for i0 in range(i_start, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
-            a = tl.load(a_ptrs).to(tl.float32)
+            if FORMAT != 2:  # int4 reads the activations plane by plane (_int4_down_step)
+                a = tl.load(a_ptrs).to(tl.float32)
             w = tl.load(w_ptrs)
         else:
             mask_a = mask_k[:, None] & ((i0 + offs_i) < inter)[None, :]
             mask_w = mask_k[:, None, None] & mask_h[None, :, None]
             mask_w = mask_w & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
-            a = tl.load(a_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+            if FORMAT != 2:
+                a = tl.load(a_ptrs, mask=mask_a, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=mask_w, other=0)
-        # The routing weight (and FP8's scale) is folded in fp32, before anything is rounded.
-        a = a * route_w[:, None]
-        if FORMAT == 1:
-            a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, BLOCK_I, SCALE_COLS)
-        acc += _down_tile(w, s_ptrs + i0 // SCALE_COLS, mask_kh, FORMAT, BLOCK_I) * a[:, None, :]
+        if FORMAT == 2:
+            acc += _int4_down_step(
+                w,
+                s_ptrs + i0 // SCALE_COLS,
+                mask_kh,
+                a_rows,
+                i0 + 8 * offs_c,
+                inter,
+                mask_k,
+                route_w,
+                EVEN_K and EVEN_I,
+            )
+        else:
+            # The routing weight (and FP8's scale) is folded in fp32, before anything is rounded.
+            a = a * route_w[:, None]
+            if FORMAT == 1:
+                a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, BLOCK_I, SCALE_COLS)
+            acc += _down_tile(w, FORMAT) * a[:, None, :]
         a_ptrs += BLOCK_I
         w_ptrs += BLOCK_I // PER_ITEM
 

@@ -8,11 +8,14 @@ read the stored bytes; the only roundings are bf16's (the intermediate and the o
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from quantized_layers import quantized_moe_layer
 
 from engine.loading import fp8, int4
 from kernels import reference
-from kernels.quant import Fp8Weight, Int4Weight, dequantize, kernels_read, nbytes
+from kernels.quant import Fp8Weight, Int4Weight, dequantize, kernels_read, nbytes, unpack_int4
+from kernels.quant_tiles import int4_plane, int4_values
 from kernels.warp_decode import warp_decode_moe
 
 # Small tiles so the loops run several steps; the kernels shrink them to fit the scales.
@@ -53,9 +56,81 @@ def test_warp_decode_reads_quantized_weights(case, config):
     assert y.shape == (tokens, hidden) and y.dtype == torch.bfloat16
     assert torch.isfinite(y).all()
     ref = float64_reference(*layer)
-    err = ((y.double() - ref).norm() / ref.norm()).item()
     # bf16 output rounding (the interpreter truncates instead of rounding: up to 2x that)
-    assert err < 8e-3, err
+    assert relative_error(y, ref) < 8e-3
+
+
+def relative_error(y, ref) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+# int4 tiles stay within a group along the input columns, so raggedness is in the rows: row
+# blocks past the size (a ragged last block, after full ones), and padded top-k slots (3 -> 4).
+# Column steps: one per group, or several (groups of 128, steps of 64 or fewer).
+ROWS_64 = {
+    "gate_up": {"BLOCK_I": 64, "BLOCK_H": 64, "num_warps": 4},
+    "down": {"BLOCK_H": 64, "BLOCK_I": 128, "num_warps": 4},
+}
+ROWS_256 = {
+    "gate_up": {"BLOCK_I": 256, "BLOCK_H": 64, "num_warps": 4},
+    "down": {"BLOCK_H": 256, "BLOCK_I": 128, "num_warps": 4},
+}
+# (tokens, hidden, inter, experts, top_k, group, config): H and I are odd multiples of the group.
+INT4_CASES = [
+    (1, 96, 160, 8, 1, 32, ROWS_64),  # rows 64 + 32 (down), 2 x 64 + 32 (gate/up)
+    (3, 96, 160, 8, 3, 32, ROWS_64),
+    (1, 384, 640, 8, 3, 128, ROWS_256),  # rows 256 + 128 (down), 2 x 256 + 128 (gate/up)
+    (2, 384, 640, 6, 1, 128, ROWS_256),
+]
+
+
+@pytest.mark.parametrize(
+    "case", INT4_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-rows{c[6]['down']['BLOCK_H']}"
+)
+@pytest.mark.parametrize("preload", [False, True], ids=["plain", "preload"])
+def test_int4_warp_decode_by_planes(case, preload):
+    """The int4 pair reads each word as eight planes of values (kernels.quant_tiles.int4_plane)
+    against strided activations, the group's scale applied once per step: the float64 answer
+    on the dequantized weights, up to bf16 rounding."""
+    tokens, hidden, inter, experts, top_k, group, config = case
+    config = {"gate_up": config["gate_up"], "down": {**config["down"], "preload": preload}}
+    layer = quantized_moe_layer(tokens, hidden, inter, experts, top_k, "int4", group, seed=group)
+    x = layer[0]
+    assert (x != 0).all()
+    y = warp_decode_moe(*layer, config=config)
+    assert y.shape == (tokens, hidden) and torch.isfinite(y).all()
+    ref = float64_reference(*layer)
+    # bf16 output rounding (the interpreter truncates instead of rounding: up to 2x that)
+    assert relative_error(y, ref) < 8e-3
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+@triton.jit
+def _int4_unpack_kernel(words_ptr, planes_ptr, values_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    words = tl.load(words_ptr + offs)
+    for j in tl.static_range(8):
+        tl.store(planes_ptr + offs * 8 + j, int4_plane(words, j))
+    tl.store(values_ptr + tl.arange(0, 8 * N), int4_values(words, 8 * N))
+
+
+def test_int4_nibbles_become_floats_without_a_conversion():
+    """OR-ing a nibble into 2**23's bits and subtracting 2**23 + 8 gives q exactly, for all 16
+    values at every position, and for words with the sign bit set (int32's >> copies it, the
+    mask drops it)."""
+    nibbles = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # [word, position]
+    words = (nibbles << (4 * torch.arange(8))).sum(dim=1)
+    words = torch.cat([words, torch.tensor([0, 2**32 - 1, 2**31, 2**31 - 1, 0x89ABCDEF])])
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = torch.cat([words, words[:11]])  # 32 words: a power of two for tl.arange
+    assert (words < 0).sum() >= 8
+    planes = torch.empty(words.numel() * 8)
+    values = torch.empty(words.numel() * 8)
+    _int4_unpack_kernel[(1,)](words, planes, values, N=words.numel())
+    expected = unpack_int4(words).float()
+    assert set(expected[:128].tolist()) == set(range(-8, 8))
+    assert torch.equal(planes, expected)
+    assert torch.equal(values, expected)
 
 
 def test_groups_narrower_than_a_tile_are_refused():

@@ -1,0 +1,95 @@
+"""The int4 warp-decode pair compiled for Hopper (sm90) without a GPU, in the variants the
+interpreter cannot vouch for: ragged tiles (masked loads), padded top-k slots, and the down
+kernel's first chunk preloaded before the PDL wait.
+
+The PTX must hold no int->float conversion (the values come from a bit trick,
+kernels.quant_tiles.int4_plane), and nothing 16-bit — the bf16 activations — may be loaded
+before the wait: only the routing and the int32 words can be. Like
+test_kernels_compile_for_hopper, the test re-runs this module in a process without the
+interpreter: `python -m tests.kernels.test_int4_warp_decode_compiles`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INT_TO_FLOAT = re.compile(r"cvt\.rn\.f32\.[su](8|16|32|64)")
+LOAD_16 = re.compile(r"ld\.global[.\w]*\.b16")
+
+
+def test_int4_warp_decode_variants_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_int4_warp_decode_compiles"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "int4 warp decode: compiled 4 gate/up and 12 down variants" in run.stdout, run.stdout
+
+
+def compile_int4(kernel: str, pointers: dict, constants: dict) -> str:
+    # Imported here: the test process runs with the interpreter, only main() compiles.
+    from kernels import warp_decode
+    from kernels.quant import INT4_GROUPS
+    from tests.kernels.test_kernels_compile_for_hopper import FORMAT_CONSTS, compile_for_hopper
+
+    constants = dict(constants, FORMAT=INT4_GROUPS, **FORMAT_CONSTS[INT4_GROUPS])
+    return compile_for_hopper(
+        getattr(warp_decode, kernel), pointers, constants, num_warps=4, launch_pdl=True
+    )
+
+
+def gate_up_ptx(even: bool, block_h: int) -> str:
+    pointers = dict(x_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", out_ptr="bf16")
+    pointers.update(wdown_ptr="i32")
+    constants = dict(BLOCK_I=16, BLOCK_H=block_h, EVEN_I=even, EVEN_H=even, LAUNCH_DEPS=True)
+    constants.update(DOWN_LINES=0, LINE_ELEMS=64, EVICT="", PDL=True)
+    return compile_int4("_gate_up_silu_kernel", pointers, constants)
+
+
+def down_ptx(k_pad: int, even: bool, preload: bool, routing_ready: bool) -> str:
+    pointers = dict(act_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", y_ptr="bf16")
+    pointers.update(weights_ptr="fp32")
+    constants = dict(K_PAD=k_pad, BLOCK_H=8, BLOCK_I=128, EVEN_K=even, EVEN_H=even, EVEN_I=even)
+    constants.update(PDL=True, PREFETCH_LINES=0, LINE_ELEMS=64, PRELOAD=preload)
+    constants.update(ROUTING_READY=routing_ready)
+    return compile_int4("_down_kernel", pointers, constants)
+
+
+def before_wait(ptx: str) -> str:
+    return ptx[: ptx.index("griddepcontrol.wait")]
+
+
+def main() -> int:
+    assert not os.environ.get("TRITON_INTERPRET"), "compiling needs Triton's JIT"
+    n_gate_up = n_down = 0
+    for even in (True, False):
+        for block_h in (64, 128):
+            ptx = gate_up_ptx(even, block_h)
+            assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
+            assert "ld.global" not in before_wait(ptx)
+            n_gate_up += 1
+        for k_pad in (1, 8):
+            for preload, routing_ready in ((True, True), (False, True), (False, False)):
+                ptx = down_ptx(k_pad, even, preload, routing_ready)
+                assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
+                early = before_wait(ptx)
+                assert not LOAD_16.search(early), "activations read before the wait"
+                if preload:  # the first chunk of words is in flight before the wait
+                    assert re.search(r"ld\.global[.\w]*\.b32", early)
+                if not routing_ready:
+                    assert "ld.global" not in early, "a load before the wait races the router"
+                n_down += 1
+    print(f"int4 warp decode: compiled {n_gate_up} gate/up and {n_down} down variants")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
