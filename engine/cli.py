@@ -31,7 +31,9 @@ def _generate(args: argparse.Namespace) -> int:
         model_dir = _model_dir(args.model)
         t0 = time.perf_counter()
         args.device = resolve_device(args.device)
-        options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
+        options = model_options(
+            args.device, args.moe_path, args.cpu_decode_weights, args.cpu_decode_guard
+        )
         log = logging.getLogger("wd_engine")  # generate sets no handler: warnings go to stderr
         memory.check_before_load(
             args.device, args.gpu_memory_gb, log, model_dir=model_dir, dtype=args.dtype
@@ -216,16 +218,24 @@ CPU_DECODE_WEIGHTS_HELP = (
     "prefill does; int8 streams a quarter of fp32's bytes but rounds the weights, which changes "
     "some completions; int4 is refused for a model not trained through it"
 )
+CPU_DECODE_GUARD_HELP = (
+    "with int4 CPU decode weights, compute a step again from the fp32 weights where it is not "
+    "decisive (a routing near-tie, two close best logits): greedy answers closer still to the "
+    "fp32 path's, at the cost of those steps"
+)
 
 
-def model_options(device, moe_path: str | None, cpu_decode_weights: str = "auto"):
+def model_options(
+    device, moe_path: str | None, cpu_decode_weights: str = "auto", cpu_decode_guard: bool = False
+):
     """The model's options (engine.model.options) from the command line.
 
     `moe_path`: None or `auto` is the model's own choice (on CUDA the Triton dispatcher: warp
     decode for a few tokens, expert-centric for many); an explicit path is forced for every MoE
     layer: the torch reference on the CPU, the Triton kernel on CUDA (`output_centric` is warp
     decode there). `cpu_decode_weights`: the weights the lean CPU decode step streams
-    (engine.model.lean_matrices); int8 and int4 need torch's int8 and int4 products."""
+    (engine.model.lean_matrices); int8 and int4 need torch's int8 and int4 products.
+    `cpu_decode_guard`: int4 steps that are not decisive are computed again in fp32."""
     import logging
     from functools import partial
 
@@ -248,9 +258,11 @@ def model_options(device, moe_path: str | None, cpu_decode_weights: str = "auto"
         form = "fp32"
     path = moe_path or "auto"
     if path == "auto" or torch.device(device).type != "cuda":
-        return ModelOptions(moe_path=path, lean_weights=form)
+        return ModelOptions(moe_path=path, lean_weights=form, lean_guard=cpu_decode_guard)
     kernel = dispatch.WARP_DECODE if path == "output_centric" else dispatch.EXPERT_CENTRIC
-    return ModelOptions(lean_weights=form, moe_fn=partial(dispatch.run_path, kernel))
+    return ModelOptions(
+        lean_weights=form, lean_guard=cpu_decode_guard, moe_fn=partial(dispatch.run_path, kernel)
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -296,7 +308,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         args.device = resolve_device(args.device)
-        options = model_options(args.device, args.moe_path, args.cpu_decode_weights)
+        options = model_options(
+            args.device, args.moe_path, args.cpu_decode_weights, args.cpu_decode_guard
+        )
         # Before the weights load: a model that cannot fit is a quick, clear error.
         budget = memory.check_before_load(
             args.device,
@@ -600,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help=CPU_DECODE_WEIGHTS_HELP,
     )
+    gen.add_argument("--cpu-decode-guard", action="store_true", help=CPU_DECODE_GUARD_HELP)
     gen.add_argument("--stats", action="store_true", help="print timings to stderr")
     gen.add_argument("--newline", action="store_true", help="end the output with a newline")
     gen.set_defaults(run=_generate)
@@ -664,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help=CPU_DECODE_WEIGHTS_HELP,
     )
+    serve.add_argument("--cpu-decode-guard", action="store_true", help=CPU_DECODE_GUARD_HELP)
     serve.add_argument(
         "--prefill-chunk",
         type=int,

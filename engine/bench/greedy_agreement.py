@@ -29,14 +29,20 @@ from engine.prompts.layout import fim_prompt_within
 MAX_TOKENS = 24  # the single-line cap, as the eval and the language server use
 
 
-def arms(model_dir: Path, form: str) -> dict[str, tuple[object, bool]]:
+def arms(model_dir: Path, form: str, bf16: bool = False) -> dict[str, tuple[object, bool]]:
     """Each arm's model and whether its lean step is guarded: the general path first (the
     reference), the lean step, and where the lean step is guarded (int4), the same model's step
-    without its guard."""
+    without its guard. `bf16`: the general path in bf16 too, as a GPU engine or transformers in
+    bf16 computes the same weights: how far two legitimate arithmetics of one model disagree."""
     general = load_model(model_dir, options=ModelOptions(lean_decode=False))
-    lean = load_model(model_dir, options=ModelOptions(lean_weights=form))
+    lean = load_model(model_dir, options=ModelOptions(lean_weights=form, lean_guard=True))
     assert lean.lean_path_applies() and not general.lean_path_applies()
     out = {"general": (general, False), "lean": (lean, True)}
+    if bf16:
+        general_bf16 = load_model(
+            model_dir, torch.bfloat16, options=ModelOptions(lean_decode=False)
+        )
+        out["general-bf16"] = (general_bf16, False)
     lean.lean.prepare()
     if lean.lean.exact_layers is not None:  # the int4 form: the guard's own arm
         out["lean-unguarded"] = (lean, False)
@@ -51,14 +57,16 @@ def _complete(model, tok, prompt: list[int], forced: str) -> tuple[str, float]:
 
 
 @torch.inference_mode()
-def measure(model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: str = "auto"):
+def measure(
+    model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: str = "auto", bf16=False
+):
     """(summary, rows): each task's answer per arm, and per arm the answers that differ from the
     general path's, exact matches and milliseconds spent."""
     from engine.train.fim_tasks import make_tasks
     from engine.train.metrics import exact_match
 
     tok = Tokenizer.from_dir(model_dir)
-    models = arms(model_dir, form)
+    models = arms(model_dir, form, bf16)
     lean = models["lean"][0].lean
     context = lean.model.config.max_position_embeddings
     guarded_steps = guarded_recomputed = 0  # the guarded arm's, as the unguarded one counts too
@@ -99,13 +107,14 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=60)
     ap.add_argument("--tasks-per-file", type=int, default=5)
     ap.add_argument("--form", default="auto", help="the lean step's weights (as ModelOptions)")
+    ap.add_argument("--bf16", action="store_true", help="the general path in bf16 as an arm too")
     ap.add_argument("--out", type=Path, help="each task's answers, as JSON")
     args = ap.parse_args(argv)
     docs = heldout.load(args.lang, limit=args.files)
     if not docs:
         print("no held-out files found (build the corpus or install the listed sources)")
         return 1
-    summary, rows = measure(args.model, docs, args.tasks_per_file, args.form)
+    summary, rows = measure(args.model, docs, args.tasks_per_file, args.form, args.bf16)
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "tasks": rows}, indent=1))

@@ -56,16 +56,18 @@ LEAN_MAX_ROWS = 9
 # (`LeanCpu.logits`): over held-out decode steps the int8 lm_head moved the shipped model's
 # logits by well under half of it, so fp32's best stays among them; a step recomputes a handful.
 LEAN_EXACT_MARGIN = 1.0
-# With int4 weights (bf16 activations) a step is computed again from the model's fp32 weights
-# unless it is decisive: every routing decision (the gap between the last expert a row chose and
-# the first it left out, in router logits) at least ROUTE_MARGIN, and every row's best logit at
+# With int4 weights (bf16 activations, the arithmetic the model was trained through) and the guard
+# on (ModelOptions.lean_guard; off by default, since the unguarded step already changes fewer greedy
+# answers than a bf16 engine does: BENCHMARKS.md), a step is computed again from the model's fp32
+# weights unless it is decisive: every routing decision (the gap between the last expert a row chose
+# and the first it left out, in router logits) at least ROUTE_MARGIN, and every row's best logit at
 # least LOGIT_MARGIN above its second. Over held-out greedy steps every large move of the int4
-# step's logits came at a routing near-tie, and steps clear of one moved well under LOGIT_MARGIN
-# / 2 (BENCHMARKS.md, engine.bench.lean_deviation), so a decisive step picks what fp32 picks.
-# The earlier rows' K/V stay the int4 step's: the measurement above kept them too.
-# Only the rows whose answer is used count: a draft's rows past the first one greedy rejects are
-# thrown away (`_rows_used`). A routing near-tie in a used row is known before the step ends, so
-# the int4 step stops there (`_Undecided`) instead of computing layers whose result is dropped.
+# step's logits came at a routing near-tie, and steps clear of one moved well under LOGIT_MARGIN / 2
+# (BENCHMARKS.md, engine.bench.lean_deviation), so a decisive step picks what fp32 picks. The
+# earlier rows' K/V stay the int4 step's: the measurement above kept them too. Only the rows whose
+# answer is used count: a draft's rows past the first one greedy rejects are thrown away
+# (`_rows_used`). A routing near-tie in a used row is known before the step ends, so the int4 step
+# stops there (`_Undecided`) instead of computing layers whose result is dropped.
 ROUTE_MARGIN = 0.01
 LOGIT_MARGIN = 0.3
 
@@ -200,9 +202,10 @@ class LeanCpu:
     """The model's lean CPU forward, its weight copies in `form`, built on first use (or by
     `prepare`)."""
 
-    def __init__(self, model: Qwen3MoeModel, form: str):
+    def __init__(self, model: Qwen3MoeModel, form: str, guarded: bool = False):
         """`form`: one of lean_matrices.FORMS, or "auto": int4 where the model's projections are
-        int4 groups exactly (lean_matrices.int4_codes), else fp32."""
+        int4 groups exactly (lean_matrices.int4_codes), else fp32. `guarded`: int4 steps that are
+        not decisive are computed again from the fp32 weights (`_checked`)."""
         self.model = model
         self.group = 32  # the int4 form's group size
         # Per layer, the int4 (values, scales) of its projections, until prepared.
@@ -229,8 +232,8 @@ class LeanCpu:
         # int4: the same layers over the model's own fp32 weights, for steps that are not
         # decisive (ROUTE_MARGIN, LOGIT_MARGIN); None in the other forms.
         self.exact_layers: list[LeanLayer] | None = None
-        # Whether int4 steps are checked (engine.bench.lean_deviation measures them unchecked).
-        self.guarded = True
+        # Whether int4 steps are checked (engine.bench.greedy_agreement measures both ways).
+        self.guarded = guarded
         self.steps = 0  # forwards of new rows (`tail`, `beams`)
         self.recomputed = 0  # of them, computed again from fp32 weights
         # While a guarded int4 forward runs: each row's closest routing decision so far, and how

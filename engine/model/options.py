@@ -32,10 +32,14 @@ class ModelOptions:
     lean_decode: bool = True
     # The lean CPU path's weights (engine.model.lean_matrices). "auto": a form that holds the
     # model's weights exactly: int4 for a model trained through int4 groups (an eighth of fp32's
-    # bytes; activations rounded to bf16, the lm_head int8 with the logits near the best in fp32,
-    # so greedy picks are fp32's but for near-ties), else fp32, the model's own arithmetic. "int8"
-    # streams a quarter of the bytes but rounds the weights, which changes some greedy completions.
+    # bytes; activations rounded to bf16, as the model was trained; the lm_head int8 with the
+    # logits near the best in fp32), else fp32. "int8" streams a quarter of the bytes but rounds
+    # the weights, which changes some greedy completions.
     lean_weights: str = "auto"
+    # The int4 form only: a step that is not decisive (a routing near-tie, two close best logits)
+    # is computed again from the fp32 weights, so greedy answers follow the fp32 general path
+    # closer still, at the cost of those steps (engine.model.lean_cpu).
+    lean_guard: bool = False
     # Replaces every MoE layer's path when set: the local-experts MoE of expert parallelism
     # (engine.model.expert_parallel), whose layers hold only their rank's experts, or a kernel.
     moe_fn: MoeFn | None = None

@@ -66,7 +66,11 @@ class Qwen3MoeModel:
         self.small_on_cpu = (
             self.device.type == "cpu" and weight_bytes(self) <= CPU_SMALL_MODEL_MAX_BYTES
         )
-        self.lean = LeanCpu(self, self.options.lean_weights) if self._lean_applies() else None
+        self.lean = (
+            LeanCpu(self, self.options.lean_weights, self.options.lean_guard)
+            if self._lean_applies()
+            else None
+        )
 
     def with_options(self, **changes) -> Qwen3MoeModel:
         """This model with `changes` to its options (ModelOptions' fields), sharing its weight
@@ -79,7 +83,11 @@ class Qwen3MoeModel:
             self.lm_head,
             dataclasses.replace(self.options, **changes),
         )
-        if model.lean is not None and self.lean is not None and model.lean.form == self.lean.form:
+        if (
+            model.lean is not None
+            and self.lean is not None
+            and (model.lean.form, model.lean.guarded) == (self.lean.form, self.lean.guarded)
+        ):
             model.lean = self.lean
         return model
 

@@ -30,3 +30,12 @@ def test_each_arm_completes_every_task(form):
         assert summary[name]["differ"] == sum(r[name]["text"] != r["general"]["text"] for r in rows)
     assert sum(bool(r["general"]["text"]) for r in rows) >= 2  # not a vacuous comparison
     assert summary["lean"]["recomputed"] == 0
+
+
+def test_the_bf16_arm_is_the_general_path_in_bf16():
+    summary, rows = greedy_agreement.measure(embedded_model_dir(), DOCS, 1, "fp32", bf16=True)
+    assert set(summary) == {"tasks", "general", "lean", "general-bf16"}
+    assert summary["general-bf16"]["differ"] == sum(
+        r["general-bf16"]["text"] != r["general"]["text"] for r in rows
+    )
+    assert all(r["general-bf16"]["text"] for r in rows)  # it completes, in its own arithmetic

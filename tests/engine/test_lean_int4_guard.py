@@ -26,7 +26,8 @@ def models():
     base = random_model(
         dict(TINY, vocab_size=512), dtype=torch.float32, seed=31, quant="int4", quant_size=32
     ).dequantized()
-    return base.with_options(lean_weights="int4"), base.with_options(lean_weights="fp32")
+    guarded = base.with_options(lean_weights="int4", lean_guard=True)
+    return guarded, base.with_options(lean_weights="fp32")
 
 
 def _prefilled(model, prompt):
@@ -264,3 +265,22 @@ def test_the_engine_asks_for_exact_logits_while_a_healed_text_is_forced(monkeypa
     # The prompt's logits and the steps that still write the healed text, then plain steps.
     assert asked[0] and not asked[-1]
     assert asked == sorted(asked, reverse=True)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_guard_is_off_unless_the_command_asks_for_it(command):
+    """The int4 step unguarded is the default (BENCHMARKS.md: it changes fewer greedy answers
+    than a bf16 engine does); `--cpu-decode-guard` turns the guard on for the CPU's steps."""
+    from engine.cli import build_parser, model_options
+
+    parser = build_parser()
+    extra = ["--prompt", "x"] if command == "generate" else []
+    for flags, guarded in (([], False), (["--cpu-decode-guard"], True)):
+        args = parser.parse_args([command, *extra, *flags])
+        options = model_options("cpu", None, args.cpu_decode_weights, args.cpu_decode_guard)
+        assert options.lean_guard is guarded
+    base = random_model(
+        dict(TINY, vocab_size=512), dtype=torch.float32, seed=5, quant="int4", quant_size=32
+    ).dequantized()
+    assert not base.with_options(lean_weights="int4").lean.guarded
+    assert base.with_options(lean_weights="int4", lean_guard=True).lean.guarded

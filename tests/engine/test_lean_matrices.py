@@ -239,7 +239,7 @@ def test_int4_step_of_an_int4_trained_model_matches_its_own_arithmetic():
     logits = {}
     for form in ("fp32", "int4"):
         model = base.with_options(lean_weights=form)
-        model.lean.guarded = False  # the int4 step itself (its guard: test_lean_int4_guard.py)
+        assert not model.lean.guarded  # the default: the int4 step itself (test_lean_int4_guard)
         cache = model.new_cache(1)
         model.forward(torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], cache)
         cache.used = 4
