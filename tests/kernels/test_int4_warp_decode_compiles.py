@@ -11,25 +11,16 @@ interpreter: `python -m tests.kernels.test_int4_warp_decode_compiles`.
 
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 INT_TO_FLOAT = re.compile(r"cvt\.rn\.f32\.[su](8|16|32|64)")
 LOAD_16 = re.compile(r"ld\.global[.\w]*\.b16")
 
 
 def test_int4_warp_decode_variants_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_int4_warp_decode_compiles"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    from tests.kernels.test_kernels_compile_for_hopper import run_without_interpreter
+
+    run = run_without_interpreter("tests.kernels.test_int4_warp_decode_compiles")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "int4 warp decode: compiled 4 gate/up and 12 down variants" in run.stdout, run.stdout
 
