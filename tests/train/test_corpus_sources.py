@@ -413,19 +413,21 @@ def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
         )
 
 
-@pytest.mark.parametrize("part", ["extra", "extra2"])
+@pytest.mark.parametrize("part", ["extra", "extra2", "extra4"])
 def test_a_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts(part):
     from engine.train.fetch_wheels import read_list, requirement_key
 
     data = Path(corpus.__file__).parent / "data"
     fetched = json.loads((data / f"manifest-{part}.json").read_text())
     pinned = {requirement_key(r) for r in read_list(data / f"{part}_packages.txt")}
-    assert pinned == {requirement_key(f"{s['name']}=={s['version']}") for s in fetched["sources"]}
+    kept = {requirement_key(f"{s['name']}=={s['version']}") for s in fetched["sources"]}
+    rejected = {corpus.normalize(s["name"]) for s in fetched.get("rejected_for_licence", [])}
+    # Every pin is kept, or named where the licence check turned it away.
+    assert kept <= pinned
+    assert {corpus.normalize(p.split("==")[0]) for p in pinned - kept} <= rejected
     names = {corpus.normalize(s["name"]) for s in fetched["sources"]}
-    for other in sorted(
-        {"manifest.json", "manifest-gpu.json", "manifest-extra.json", "manifest-extra2.json"}
-        - {f"manifest-{part}.json"}
-    ):
+    parts = {"manifest.json", "manifest-gpu.json"} | {p.name for p in data.glob("manifest-extra*")}
+    for other in sorted(parts - {f"manifest-{part}.json"}):
         kept = {
             corpus.normalize(s["name"])
             for s in json.loads((data / other).read_text())["sources"]

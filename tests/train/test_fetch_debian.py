@@ -503,11 +503,12 @@ def test_a_deb_whose_version_is_not_the_pinned_one_stops_the_fetch(tmp_path, mon
         fetch_debian.main(["--list", str(listed), "--out", str(out)])
 
 
-def test_the_committed_debian_part_is_pinned():
+@pytest.mark.parametrize("part, pinned", [("debian", (150, 320)), ("debian2", (1000, 1400))])
+def test_a_committed_debian_part_is_pinned(part, pinned):
     data = Path(corpus.__file__).parent / "data"
-    pins = dict(fetch_debian.read_list(data / "debian_packages.txt"))
-    assert 150 <= len(pins) <= 320
-    manifest = json.loads((data / "manifest-debian.json").read_text())
+    pins = dict(fetch_debian.read_list(data / f"{part}_packages.txt"))
+    assert pinned[0] <= len(pins) <= pinned[1]
+    manifest = json.loads((data / f"manifest-{part}.json").read_text())
     for source in manifest["sources"]:
         assert source["kind"] == "debian" and pins[source["name"]] == source["version"]
     named = {s["name"] for s in manifest["sources"] + manifest["rejected_for_licence"]}
