@@ -42,7 +42,8 @@ from kernels.quant_tiles import (
 from kernels.triton_env import interpreting, next_pow2
 
 # fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
-# past this the tile spills registers.
+# past this the tile spills registers. int4 tiles hold an eighth of that (a column per word), but
+# keep the same bound until larger ones are measured.
 DOWN_TILE_BUDGET = 16384
 L2_LINE_BYTES = 128
 

@@ -1,6 +1,7 @@
 """How often the CPU's default decode step changes a greedy answer: held-out single-line FIM
 tasks completed by the general path (prefill's arithmetic, fp32) and by the lean decode step
-(engine.model.lean_cpu) in the form the options name, with and without its int4 guard, each as
+(engine.model.lean_cpu) in the form the options name, as the engine runs it and (int4) with its
+optional guard; with --bf16 also by the general path in bf16. Each arm completes a task as
 `wd-engine generate` runs a task (token healing, speculation, stop at the newline).
 
     python -m engine.bench.greedy_agreement --model DIR --files 60 --tasks-per-file 5
@@ -31,13 +32,14 @@ MAX_TOKENS = 24  # the single-line cap, as the eval and the language server use
 
 def arms(model_dir: Path, form: str, bf16: bool = False) -> dict[str, tuple[object, bool]]:
     """Each arm's model and whether its lean step is guarded: the general path first (the
-    reference), the lean step, and where the lean step is guarded (int4), the same model's step
-    without its guard. `bf16`: the general path in bf16 too, as a GPU engine or transformers in
-    bf16 computes the same weights: how far two legitimate arithmetics of one model disagree."""
+    reference), the lean step as the engine runs it by default (unguarded), and in the int4 form
+    the same step with its guard (`--cpu-decode-guard`). `bf16`: the general path in bf16 too, as
+    a GPU engine or transformers in bf16 computes the same weights: how far two legitimate
+    arithmetics of one model disagree."""
     general = load_model(model_dir, options=ModelOptions(lean_decode=False))
-    lean = load_model(model_dir, options=ModelOptions(lean_weights=form, lean_guard=True))
+    lean = load_model(model_dir, options=ModelOptions(lean_weights=form))
     assert lean.lean_path_applies() and not general.lean_path_applies()
-    out = {"general": (general, False), "lean": (lean, True)}
+    out = {"general": (general, False), "lean": (lean, False)}
     if bf16:
         general_bf16 = load_model(
             model_dir, torch.bfloat16, options=ModelOptions(lean_decode=False)
@@ -45,7 +47,7 @@ def arms(model_dir: Path, form: str, bf16: bool = False) -> dict[str, tuple[obje
         out["general-bf16"] = (general_bf16, False)
     lean.lean.prepare()
     if lean.lean.exact_layers is not None:  # the int4 form: the guard's own arm
-        out["lean-unguarded"] = (lean, False)
+        out["lean-guarded"] = (lean, True)
     return out
 
 
@@ -58,7 +60,11 @@ def _complete(model, tok, prompt: list[int], forced: str) -> tuple[str, float]:
 
 @torch.inference_mode()
 def measure(
-    model_dir: Path, docs: list[tuple[str, str]], per_file: int, form: str = "auto", bf16=False
+    model_dir: Path,
+    docs: list[tuple[str, str]],
+    per_file: int,
+    form: str = "auto",
+    bf16: bool = False,
 ):
     """(summary, rows): each task's answer per arm, and per arm the answers that differ from the
     general path's, exact matches and milliseconds spent."""
@@ -69,7 +75,7 @@ def measure(
     models = arms(model_dir, form, bf16)
     lean = models["lean"][0].lean
     context = lean.model.config.max_position_embeddings
-    guarded_steps = guarded_recomputed = 0  # the guarded arm's, as the unguarded one counts too
+    guarded_steps = guarded_recomputed = 0  # the guarded arm's (the arms share one counter)
     rows = []
     for task in make_tasks(docs, "single", 0, per_file):
         prompt = fim_prompt_within(
@@ -83,7 +89,7 @@ def measure(
             steps, recomputed = lean.steps, lean.recomputed
             text, ms = _complete(model, tok, prompt, forced)
             row[name] = {"text": text, "exact": exact_match(text, task.middle), "ms": ms}
-            if name == "lean":
+            if guarded:
                 guarded_steps += lean.steps - steps
                 guarded_recomputed += lean.recomputed - recomputed
         rows.append(row)
@@ -94,7 +100,9 @@ def measure(
             "exact": sum(r[name]["exact"] for r in rows),
             "ms": round(sum(r[name]["ms"] for r in rows)),
         }
-    summary["lean"]["recomputed"] = round(guarded_recomputed / max(1, guarded_steps), 3)
+    if "lean-guarded" in summary:
+        recomputed = round(guarded_recomputed / max(1, guarded_steps), 3)
+        summary["lean-guarded"]["recomputed"] = recomputed
     return summary, rows
 
 

@@ -232,8 +232,9 @@ class LeanCpu:
         # int4: the same layers over the model's own fp32 weights, for steps that are not
         # decisive (ROUTE_MARGIN, LOGIT_MARGIN); None in the other forms.
         self.exact_layers: list[LeanLayer] | None = None
-        # Whether int4 steps are checked (engine.bench.greedy_agreement measures both ways).
-        self.guarded = guarded
+        # Whether int4 steps are checked (engine.bench.greedy_agreement measures both ways); it
+        # means nothing in the other forms.
+        self.guarded = guarded and form == "int4"
         self.steps = 0  # forwards of new rows (`tail`, `beams`)
         self.recomputed = 0  # of them, computed again from fp32 weights
         # While a guarded int4 forward runs: each row's closest routing decision so far, and how

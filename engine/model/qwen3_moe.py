@@ -74,7 +74,7 @@ class Qwen3MoeModel:
 
     def with_options(self, **changes) -> Qwen3MoeModel:
         """This model with `changes` to its options (ModelOptions' fields), sharing its weight
-        tensors, and its lean forward's weight copies where their form stays the same."""
+        tensors, and its lean forward (its weight copies) where its form and guard stay the same."""
         model = Qwen3MoeModel(
             self.config,
             self.embed,

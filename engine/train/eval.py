@@ -74,6 +74,7 @@ class EngineBackend:
         layout: str = "eval",
         server_max_tokens: int = SERVER_MAX_TOKENS,
         cpu_decode_weights: str = "auto",
+        cpu_decode_guard: bool = False,
     ):
         from engine.core.engine import Engine
         from engine.core.options import EngineOptions
@@ -88,7 +89,8 @@ class EngineBackend:
             prompt_budget,
         )
 
-        self.model = load_model(model_dir, options=ModelOptions(lean_weights=cpu_decode_weights))
+        options = ModelOptions(lean_weights=cpu_decode_weights, lean_guard=cpu_decode_guard)
+        self.model = load_model(model_dir, options=options)
         self.tok = Tokenizer.from_dir(model_dir)
         self.context = self.model.config.max_position_embeddings
         # Requests one at a time: a pool for one context; no prefix cache, so that a task's
@@ -322,6 +324,7 @@ def run(
     parts: list[str] | None = None,
     languages: list[str] | None = None,
     cpu_decode_weights: str = "auto",
+    cpu_decode_guard: bool = False,
 ) -> dict:
     docs = select_docs(parts, languages, n_files, allow_changed)
     if not docs:
@@ -332,7 +335,9 @@ def run(
     if layout == "server" and backend_name != "engine":
         raise SystemExit("--layout server runs through the engine only")
     backend = (
-        EngineBackend(model_dir, heal, beams, layout, server_max_tokens, cpu_decode_weights)
+        EngineBackend(
+            model_dir, heal, beams, layout, server_max_tokens, cpu_decode_weights, cpu_decode_guard
+        )
         if backend_name == "engine"
         else TransformersBackend(model_dir)
     )
@@ -354,6 +359,7 @@ def run(
         **({"server_max_tokens": server_max_tokens} if layout == "server" else {}),
         "token_healing": heal and backend_name == "engine",
         **({"cpu_decode_weights": cpu_decode_weights} if cpu_decode_weights != "auto" else {}),
+        **({"cpu_decode_guard": True} if cpu_decode_guard else {}),
         "load_s": round(time.time() - t0, 3),
     }
     for kind in kinds:
@@ -492,6 +498,11 @@ def main(argv=None) -> None:
         default="auto",
         help="the weights the engine's lean CPU decode step streams (as wd-engine's option)",
     )
+    ap.add_argument(
+        "--cpu-decode-guard",
+        action="store_true",
+        help="int4 CPU decode steps that are not decisive computed again in fp32 (as wd-engine's)",
+    )
     args = ap.parse_args(argv)
     if args.tasks_per_file < 1:
         ap.error("--tasks-per-file must be at least 1")
@@ -520,6 +531,7 @@ def main(argv=None) -> None:
                 parts=args.heldout,
                 languages=args.languages.split(",") if args.languages else None,
                 cpu_decode_weights=args.cpu_decode_weights,
+                cpu_decode_guard=args.cpu_decode_guard,
             )
     finally:
         if details:

@@ -267,18 +267,32 @@ def test_the_engine_asks_for_exact_logits_while_a_healed_text_is_forced(monkeypa
     assert asked == sorted(asked, reverse=True)
 
 
+class _Built(BaseException):
+    """Raised where the command has built its model options: the test needs no more (a
+    BaseException, so the command's own error handling lets it through)."""
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_the_guard_is_off_unless_the_command_asks_for_it(command):
+def test_the_guard_is_off_unless_the_command_asks_for_it(command, monkeypatch, tmp_path):
     """The int4 step unguarded is the default (BENCHMARKS.md: it changes fewer greedy answers
     than a bf16 engine does); `--cpu-decode-guard` turns the guard on for the CPU's steps."""
-    from engine.cli import build_parser, model_options
+    from engine import cli
 
-    parser = build_parser()
+    built = []
+
+    def recorded(*args):
+        built.append(cli_model_options(*args))
+        raise _Built
+
+    cli_model_options = cli.model_options
+    monkeypatch.setattr(cli, "model_options", recorded)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # serve's socket and log, private
     extra = ["--prompt", "x"] if command == "generate" else []
     for flags, guarded in (([], False), (["--cpu-decode-guard"], True)):
-        args = parser.parse_args([command, *extra, *flags])
-        options = model_options("cpu", None, args.cpu_decode_weights, args.cpu_decode_guard)
-        assert options.lean_guard is guarded
+        args = cli.build_parser().parse_args([command, *extra, "--device", "cpu", *flags])
+        with pytest.raises(_Built):
+            args.run(args)
+        assert built[-1].lean_guard is guarded
     base = random_model(
         dict(TINY, vocab_size=512), dtype=torch.float32, seed=5, quant="int4", quant_size=32
     ).dequantized()

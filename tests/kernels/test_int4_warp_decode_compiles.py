@@ -15,6 +15,7 @@ import sys
 
 INT_TO_FLOAT = re.compile(r"cvt\.rn\.f32\.[su](8|16|32|64)")
 LOAD_16 = re.compile(r"ld\.global[.\w]*\.b16")
+LOAD_32 = re.compile(r"ld\.global[.\w]*\.b32")
 
 
 def test_int4_warp_decode_variants_compile_for_hopper():
@@ -68,16 +69,19 @@ def main() -> int:
             assert "ld.global" not in before_wait(ptx)
             n_gate_up += 1
         for k_pad in (1, 8):
+            early_words = {}
             for preload, routing_ready in ((True, True), (False, True), (False, False)):
                 ptx = down_ptx(k_pad, even, preload, routing_ready)
                 assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
                 early = before_wait(ptx)
                 assert not LOAD_16.search(early), "activations read before the wait"
-                if preload:  # the first chunk of words is in flight before the wait
-                    assert re.search(r"ld\.global[.\w]*\.b32", early)
+                early_words[preload, routing_ready] = len(LOAD_32.findall(early))
                 if not routing_ready:
                     assert "ld.global" not in early, "a load before the wait races the router"
                 n_down += 1
+            # The routing weights are 32-bit loads before the wait either way: preloading must add
+            # the first chunk of words to them.
+            assert early_words[True, True] > early_words[False, True], early_words
     print(f"int4 warp decode: compiled {n_gate_up} gate/up and {n_down} down variants")
     return 0
 

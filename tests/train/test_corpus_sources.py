@@ -428,12 +428,12 @@ def test_a_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts(par
     names = {corpus.normalize(s["name"]) for s in fetched["sources"]}
     parts = {"manifest.json", "manifest-gpu.json"} | {p.name for p in data.glob("manifest-extra*")}
     for other in sorted(parts - {f"manifest-{part}.json"}):
-        kept = {
+        others = {
             corpus.normalize(s["name"])
             for s in json.loads((data / other).read_text())["sources"]
             if s["kind"] == "pypi"
         }
-        assert not kept & names, other
+        assert not others & names, other
     assert not pack.read_package_list() & names  # nor what the GPU machine builds itself
 
 

@@ -310,9 +310,12 @@ def test_the_cpu_decode_weights_reach_the_engine_and_the_report(
     monkeypatch.setattr(recorder, "__init__", lambda self, *args: built.append(args), raising=False)
     common = ["--heldout", str(parts / "heldout.jsonl"), "--kinds", "single", "--orders", "spm"]
     result, _ = run_main(tmp_path, *common, "--cpu-decode-weights", "fp32")
-    assert built[-1][-1] == "fp32" and result["cpu_decode_weights"] == "fp32"
+    assert built[-1][-2:] == ("fp32", False) and result["cpu_decode_weights"] == "fp32"
+    assert "cpu_decode_guard" not in result
+    result, _ = run_main(tmp_path, *common, "--cpu-decode-guard")
+    assert built[-1][-2:] == ("auto", True) and result["cpu_decode_guard"] is True
     result, _ = run_main(tmp_path, *common)  # the engine's own choice, as before: not reported
-    assert built[-1][-1] == "auto" and "cpu_decode_weights" not in result
+    assert built[-1][-2:] == ("auto", False) and "cpu_decode_weights" not in result
 
 
 def test_the_printed_table_has_a_line_per_language_and_all(
