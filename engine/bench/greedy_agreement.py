@@ -45,8 +45,7 @@ def arms(model_dir: Path, form: str, bf16: bool = False) -> dict[str, tuple[obje
             model_dir, torch.bfloat16, options=ModelOptions(lean_decode=False)
         )
         out["general-bf16"] = (general_bf16, False)
-    lean.lean.prepare()
-    if lean.lean.exact_layers is not None:  # the int4 form: the guard's own arm
+    if lean.lean.form == "int4":  # the guard's own arm (the guard means nothing elsewhere)
         out["lean-guarded"] = (lean, True)
     return out
 
