@@ -139,6 +139,8 @@ def attention_over_runs(
     growing with a copy of the whole cache. Returns [Hq, T, D].
     """
     n_q, n_tokens, head_dim = q.shape
+    if n_tokens >= FUSED_PREFILL_ROWS:
+        return _fused_attention_over_runs(q, key_runs, value_runs, q_positions, sliding_window)
     n_kv = key_runs[0].shape[1]
     group = n_q // n_kv
     qg = q.reshape(n_kv, group * n_tokens, head_dim)
@@ -155,6 +157,28 @@ def attention_over_runs(
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return _probs_times_value_runs(probs, value_runs).reshape(n_q, n_tokens, head_dim)
+
+
+# From this many queries on (a prefill chunk), the runs are joined and torch's fused attention
+# computes the block: it never materialises the [Hq, T, S] scores, which at prompt lengths cost
+# more than the copy of the keys and values (BENCHMARKS.md, "CPU prefill attention").
+FUSED_PREFILL_ROWS = 16
+
+
+def _fused_attention_over_runs(q, key_runs, value_runs, q_positions, sliding_window):
+    """`attention_over_runs` by scaled_dot_product_attention over the joined runs: same
+    causal (and sliding-window) mask, softmax in fp32 inside the fused kernel."""
+    keys = key_runs[0] if len(key_runs) == 1 else torch.cat(key_runs)
+    values = value_runs[0] if len(value_runs) == 1 else torch.cat(value_runs)
+    allowed = causal_mask(q_positions, keys.shape[0], sliding_window)  # [T, S]
+    out = F.scaled_dot_product_attention(
+        q[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=allowed,
+        enable_gqa=True,
+    )
+    return out[0]
 
 
 def _probs_times_value_runs(probs: torch.Tensor, value_runs: list[torch.Tensor]) -> torch.Tensor:

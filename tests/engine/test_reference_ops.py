@@ -92,3 +92,26 @@ def test_attention_decode_equals_prefill_row():
     scores = q[0, 3] @ k[0, 1].T / math.sqrt(8)
     scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
     assert torch.allclose(full[0, 3], torch.softmax(scores, -1) @ v[0, 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 13])
+@pytest.mark.parametrize("run_lengths, n_tokens", [([40], 40), ([7, 16, 21], 30), ([5, 60], 17)])
+def test_fused_prefill_attention_over_runs_equals_materialised(
+    run_lengths, n_tokens, sliding_window
+):
+    # A prefill chunk (n_tokens >= FUSED_PREFILL_ROWS) takes the fused path; the oracle is the
+    # materialised-scores attention over the same keys and values joined.
+    assert n_tokens >= ref.FUSED_PREFILL_ROWS
+    g = torch.Generator().manual_seed(sum(run_lengths) + n_tokens)
+    n_q, n_kv, head_dim = 6, 2, 16
+    seq = sum(run_lengths)
+    keys = [torch.randn(n, n_kv, head_dim, generator=g) for n in run_lengths]
+    values = [torch.randn(n, n_kv, head_dim, generator=g) for n in run_lengths]
+    q = torch.randn(n_q, n_tokens, head_dim, generator=g)
+    positions = torch.arange(seq - n_tokens, seq)
+    out = ref.attention_over_runs(q, keys, values, positions, sliding_window)
+    k = torch.cat(keys).transpose(0, 1)[None]
+    v = torch.cat(values).transpose(0, 1)[None]
+    expected = ref.attention(q[None], k, v, positions[None], sliding_window=sliding_window)[0]
+    assert out.shape == expected.shape
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
