@@ -269,11 +269,18 @@ class LeanCpu:
         self._eps = torch.tensor(model.config.rms_norm_eps)
 
     def tail(
-        self, tokens: list[int], position: int, cache: ModelCache, exact_logits: bool = False
+        self,
+        tokens: list[int],
+        position: int,
+        cache: ModelCache,
+        exact_logits: bool = False,
+        draft: bool = True,
     ) -> torch.Tensor | None:
         """Logits [n, V] of one sequence's n new tokens at positions position.. (the end of its
         cache); None where the cache cannot serve it or there are too many rows.
-        `exact_logits`: every logit from the fp32 lm_head (`logits`)."""
+        `exact_logits`: every logit from the fp32 lm_head (`logits`). `draft`: the rows after
+        the first verify a speculative draft (the guard then checks the rows a verify uses);
+        False for a prompt's tokens, whose rows the guard checks all."""
         if len(tokens) > LEAN_MAX_ROWS:
             return None
         rows = cache.lean_rows(position, len(tokens))
@@ -282,9 +289,8 @@ class LeanCpu:
         self.prepare()
         self.steps += 1
         rope, attend = self._rope(position, len(tokens)), CacheRows(cache, rows)
-        # Computed again, a step's K/V overwrite the same slots: nothing to undo. Rows after the
-        # first verify a speculative draft (engine.decoding.prompt_lookup).
-        draft = len(tokens) > 1
+        # Computed again, a step's K/V overwrite the same slots: nothing to undo.
+        draft = draft and len(tokens) > 1
         return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft)
 
     def beams(

@@ -10,6 +10,7 @@ from checkpoints import lean_path_model
 
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.random_model import TINY, random_model
+from engine.model.lean_cpu import LEAN_MAX_ROWS
 from engine.model.lean_matrices import int8_available
 from engine.model.options import ModelOptions
 from kernels import reference as ref
@@ -261,3 +262,34 @@ def test_one_beam_decodes_as_the_lean_step_does(steps):
         assert beam.shape == step.shape == (1, c.vocab_size)
         assert _rel(beam, step) < TOLERANCE["fp32"]
     assert tails.length == steps
+
+
+@pytest.mark.parametrize("new_tokens", [2, 5, LEAN_MAX_ROWS])
+def test_a_prompts_short_tail_takes_the_lean_forward(new_tokens):
+    # After a cache hit, a prompt's few new tokens run on the lean forward: the same logits as
+    # the general path's within fp32 rounding (> 0: the lean forward ran), every row or the last.
+    model = random_model(
+        dict(TINY, vocab_size=512),
+        dtype=torch.float32,
+        seed=21,
+        options=ModelOptions(lean_weights="fp32"),
+    )
+    general = model.with_options(lean_decode=False)
+    g = torch.Generator().manual_seed(22)
+    cached = torch.randint(0, model.config.vocab_size, (1, 30), generator=g)
+    tail = torch.randint(0, model.config.vocab_size, (1, new_tokens), generator=g)
+    positions = torch.arange(30, 30 + new_tokens)[None]
+    steps_before = model.lean.steps
+    for last_only in (False, True):
+        lean_cache, general_cache = model.new_cache(1), model.new_cache(1)
+        model.forward(cached, torch.arange(30)[None], lean_cache)
+        general.forward(cached, torch.arange(30)[None], general_cache)
+        lean = model.forward(tail, positions, lean_cache, last_only=last_only)
+        expected = general.forward(tail, positions, general_cache, last_only=last_only)
+        assert lean.shape == expected.shape == (1, 1 if last_only else new_tokens, 512)
+        assert 0 < _rel(lean, expected) < TOLERANCE["fp32"]
+    assert model.lean.steps == steps_before + 2
+    # Past LEAN_MAX_ROWS rows the general path runs.
+    longer = torch.randint(0, model.config.vocab_size, (1, LEAN_MAX_ROWS + 1), generator=g)
+    model.forward(longer, torch.arange(LEAN_MAX_ROWS + 1)[None], model.new_cache(1))
+    assert model.lean.steps == steps_before + 2
