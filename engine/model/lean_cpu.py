@@ -52,6 +52,11 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The most rows one lean forward takes: a decode step's token and a speculative draft behind it,
 # or a beam search's beams (engine.ipc.protocol.MAX_BEAMS of them at most).
 LEAN_MAX_ROWS = 9
+# The most tokens of a prompt one lean forward computes (a cache hit's new tokens, a short cold
+# prompt): up to about this many rows the lean forward's one pass over the stored weights beats
+# the general path's expert-by-expert products over fp32 copies (BENCHMARKS.md, "Short prompt
+# tails on the lean CPU forward").
+LEAN_PROMPT_MAX_ROWS = 32
 # With int8 weights, the logits within this much of a row's best are computed again in fp32
 # (`LeanCpu.logits`): over held-out decode steps the int8 lm_head moved the shipped model's
 # logits by well under half of it, so fp32's best stays among them; a step recomputes a handful.
@@ -274,14 +279,16 @@ class LeanCpu:
         position: int,
         cache: ModelCache,
         exact_logits: bool = False,
-        draft: bool = True,
+        prompt: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor | None:
-        """Logits [n, V] of one sequence's n new tokens at positions position.. (the end of its
-        cache); None where the cache cannot serve it or there are too many rows.
-        `exact_logits`: every logit from the fp32 lm_head (`logits`). `draft`: the rows after
-        the first verify a speculative draft (the guard then checks the rows a verify uses);
-        False for a prompt's tokens, whose rows the guard checks all."""
-        if len(tokens) > LEAN_MAX_ROWS:
+        """Logits [n, V] (or [1, V] of the last row with `last_only`) of one sequence's n new
+        tokens at positions position.. (the end of its cache); None where the cache cannot serve
+        it or there are too many rows. `exact_logits`: every logit from the fp32 lm_head
+        (`logits`). Without `prompt` the rows after the first verify a speculative draft (the
+        guard checks the rows a verify uses); a prompt's tokens (up to LEAN_PROMPT_MAX_ROWS of
+        them) have every row's routing checked by the guard."""
+        if len(tokens) > (LEAN_PROMPT_MAX_ROWS if prompt else LEAN_MAX_ROWS):
             return None
         rows = cache.lean_rows(position, len(tokens))
         if rows is None:
@@ -290,8 +297,8 @@ class LeanCpu:
         self.steps += 1
         rope, attend = self._rope(position, len(tokens)), CacheRows(cache, rows)
         # Computed again, a step's K/V overwrite the same slots: nothing to undo.
-        draft = draft and len(tokens) > 1
-        return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft)
+        draft = not prompt and len(tokens) > 1
+        return self._checked(tokens, rope, attend, exact_logits, lambda: None, draft, last_only)
 
     def beams(
         self,
@@ -360,17 +367,18 @@ class LeanCpu:
         exact_logits: bool,
         undo: Callable[[], None],
         draft: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """`_forward` over the model's weights; in the int4 form, unless the step is decisive in
         the rows whose answer is used, computed again from the fp32 weights after `undo` (which
         forgets what the first attempt added). `draft`: the rows after the first verify a draft
-        (`_rows_used`); otherwise every row is used."""
+        (`_rows_used`); otherwise every row is used. `last_only`: the last row's logits alone."""
         if self.exact_layers is None or not self.guarded:
-            return self._forward(tokens, rope, attend, self.layers, exact_logits)
+            return self._forward(tokens, rope, attend, self.layers, exact_logits, last_only)
         self._row_routes = [math.inf] * len(tokens)
         self._rows_always_used = 1 if draft else len(tokens)
         try:
-            logits = self._forward(tokens, rope, attend, self.layers, exact_logits)
+            logits = self._forward(tokens, rope, attend, self.layers, exact_logits, last_only)
             used = _rows_used(tokens, logits) if draft else len(tokens)
             if self._decisive(logits, used):
                 return logits
@@ -380,7 +388,7 @@ class LeanCpu:
             self._row_routes = None
         self.recomputed += 1
         undo()
-        return self._forward(tokens, rope, attend, self.exact_layers, exact_logits)
+        return self._forward(tokens, rope, attend, self.exact_layers, exact_logits, last_only)
 
     def _decisive(self, logits: torch.Tensor, used: int) -> bool:
         """Whether the forward just run (its routing tracked) picks what fp32 would in its first
@@ -398,6 +406,7 @@ class LeanCpu:
         attend: Attend,
         layers: list[LeanLayer],
         exact_logits: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """The decoder `layers` over rows of `tokens`, RoPE'd by rope ([D, D] for rows at one
         position, [n, D, D] per row), attention by `attend`; logits [n, V] (`logits`). While
@@ -414,7 +423,7 @@ class LeanCpu:
             out = out.view(-1) if x.dim() == 1 else out.reshape(x.shape[0], -1)  # [..., Hq D]
             x = lean.w_o.addmm(x, out)  # the residual added inside the product
             x = self._mlp(x, layer, lean, input_dtype)
-        return self.head(x, exact_logits)
+        return self.head(x[-1:] if last_only and x.dim() == 2 else x, exact_logits)
 
     def _qkv(self, x: torch.Tensor, lean: LeanLayer, rope: torch.Tensor):
         """Rows x [..., H] -> q [..., Hq, D] (normed, rotated, scaled), k [..., Hkv, D] (normed,

@@ -5,7 +5,7 @@ general layer (engine.model.layer), whose MoE picks its path from the number of 
 Numerics follow transformers' Qwen3-MoE. The runners of the same layers are chosen at
 construction from the model's `ModelOptions` (engine.model.options), never switched afterwards:
 on the CPU, a small fp32 model's forwards of a few rows of one sequence (a decode step, a
-prompt's few new tokens after a cache hit, a speculative draft's verification in
+prompt's few tokens, a speculative draft's verification in
 `forward_tail`, a beam search's beams in `forward_beams`)
 take the lean CPU forward (engine.model.lean_cpu); on CUDA the engine replays the decode step as
 CUDA graphs (engine.model.cuda_graph).
@@ -23,7 +23,7 @@ from engine.kv.contiguous import KVCache
 from engine.model import cpu_threads
 from engine.model.config import ModelConfig
 from engine.model.layer import LayerWeights, decoder_layer
-from engine.model.lean_cpu import LEAN_MAX_ROWS, BeamKeys, LeanCpu
+from engine.model.lean_cpu import LEAN_MAX_ROWS, LEAN_PROMPT_MAX_ROWS, BeamKeys, LeanCpu
 from engine.model.options import ModelOptions
 from kernels import reference as ref
 from kernels.quant import dequantize, is_quantized, nbytes
@@ -161,15 +161,20 @@ class Qwen3MoeModel:
     def _forward(self, tokens, positions, cache: ModelCache, last_only, exact_logits):
         cfg = self.config
         batch, n_tokens = tokens.shape
-        if batch == 1 and n_tokens <= LEAN_MAX_ROWS and self.lean is not None:
-            # A decode step, or a prompt's few new tokens after a cache hit (a keystroke's): the
+        if batch == 1 and n_tokens <= LEAN_PROMPT_MAX_ROWS and self.lean is not None:
+            # A decode step, or a prompt's few tokens (a cache hit's, a short cold prompt): the
             # lean forward reads each weight once for all rows, where the general path's
             # expert-by-expert products read every expert's fp32 copy.
             logits = self.lean.tail(
-                tokens[0].tolist(), int(positions[0, 0]), cache, exact_logits, draft=False
+                tokens[0].tolist(),
+                int(positions[0, 0]),
+                cache,
+                exact_logits,
+                prompt=True,
+                last_only=last_only,
             )
             if logits is not None:
-                return (logits[-1:] if last_only else logits)[None]
+                return logits[None]
         cache.reserve(int(positions.max()) + 1)
         x = F.embedding(tokens, self.embed)
         cos, sin = ref.rope_cos_sin(positions, self.inv_freq, self.dtype)

@@ -10,7 +10,7 @@ from checkpoints import lean_path_model
 
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.random_model import TINY, random_model
-from engine.model.lean_cpu import LEAN_MAX_ROWS
+from engine.model.lean_cpu import LEAN_MAX_ROWS, LEAN_PROMPT_MAX_ROWS
 from engine.model.lean_matrices import int8_available
 from engine.model.options import ModelOptions
 from kernels import reference as ref
@@ -221,11 +221,12 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
     case): fp32 gives the general path's logits up to rounding; int8 gives its best logit
     exactly."""
     model = lean_path_model("dense_and_untied", form)
+    n = LEAN_PROMPT_MAX_ROWS + 5  # a prompt the general path computes, all but its head
     ids = torch.randint(
-        0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(21)
+        0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(21)
     )
-    last = model.forward(ids, torch.arange(11)[None], model.new_cache(1), last_only=True)[0, -1]
-    full = model.forward(ids, torch.arange(11)[None], model.new_cache(1))[0, -1]
+    last = model.forward(ids, torch.arange(n)[None], model.new_cache(1, n), last_only=True)[0, -1]
+    full = model.forward(ids, torch.arange(n)[None], model.new_cache(1, n))[0, -1]
     assert last.shape == full.shape
     if form == "fp32":
         assert _rel(last, full) < 1e-5
@@ -236,7 +237,10 @@ def test_a_lone_prefills_last_logits_come_from_the_lean_head(form):
         torch.testing.assert_close(last[best], full[best], rtol=1e-5, atol=1e-5)
     # Two sequences take the general head.
     both = model.forward(
-        ids.expand(2, -1), torch.arange(11)[None].expand(2, -1), model.new_cache(2), last_only=True
+        ids.expand(2, -1),
+        torch.arange(n)[None].expand(2, -1),
+        model.new_cache(2, n),
+        last_only=True,
     )
     torch.testing.assert_close(both[0, -1], full, rtol=1e-5, atol=1e-5)
 
@@ -264,9 +268,9 @@ def test_one_beam_decodes_as_the_lean_step_does(steps):
     assert tails.length == steps
 
 
-@pytest.mark.parametrize("new_tokens", [2, 5, LEAN_MAX_ROWS])
+@pytest.mark.parametrize("new_tokens", [2, LEAN_MAX_ROWS + 1, LEAN_PROMPT_MAX_ROWS])
 def test_a_prompts_short_tail_takes_the_lean_forward(new_tokens):
-    # After a cache hit, a prompt's few new tokens run on the lean forward: the same logits as
+    # A prompt's few tokens (after a cache hit here) run on the lean forward: the same logits as
     # the general path's within fp32 rounding (> 0: the lean forward ran), every row or the last.
     model = random_model(
         dict(TINY, vocab_size=512),
@@ -276,20 +280,22 @@ def test_a_prompts_short_tail_takes_the_lean_forward(new_tokens):
     )
     general = model.with_options(lean_decode=False)
     g = torch.Generator().manual_seed(22)
-    cached = torch.randint(0, model.config.vocab_size, (1, 30), generator=g)
+    cached_len = LEAN_PROMPT_MAX_ROWS + 8  # longer: computed by the general path
+    cached = torch.randint(0, model.config.vocab_size, (1, cached_len), generator=g)
     tail = torch.randint(0, model.config.vocab_size, (1, new_tokens), generator=g)
-    positions = torch.arange(30, 30 + new_tokens)[None]
-    steps_before = model.lean.steps
+    positions = torch.arange(cached_len, cached_len + new_tokens)[None]
     for last_only in (False, True):
         lean_cache, general_cache = model.new_cache(1), model.new_cache(1)
-        model.forward(cached, torch.arange(30)[None], lean_cache)
-        general.forward(cached, torch.arange(30)[None], general_cache)
+        model.forward(cached, torch.arange(cached_len)[None], lean_cache)
+        general.forward(cached, torch.arange(cached_len)[None], general_cache)
+        steps_before = model.lean.steps
         lean = model.forward(tail, positions, lean_cache, last_only=last_only)
+        assert model.lean.steps == steps_before + 1
         expected = general.forward(tail, positions, general_cache, last_only=last_only)
         assert lean.shape == expected.shape == (1, 1 if last_only else new_tokens, 512)
         assert 0 < _rel(lean, expected) < TOLERANCE["fp32"]
-    assert model.lean.steps == steps_before + 2
-    # Past LEAN_MAX_ROWS rows the general path runs.
-    longer = torch.randint(0, model.config.vocab_size, (1, LEAN_MAX_ROWS + 1), generator=g)
-    model.forward(longer, torch.arange(LEAN_MAX_ROWS + 1)[None], model.new_cache(1))
-    assert model.lean.steps == steps_before + 2
+    # Past LEAN_PROMPT_MAX_ROWS rows the general path runs.
+    steps_before = model.lean.steps
+    longer = torch.randint(0, model.config.vocab_size, (1, LEAN_PROMPT_MAX_ROWS + 1), generator=g)
+    model.forward(longer, torch.arange(LEAN_PROMPT_MAX_ROWS + 1)[None], model.new_cache(1))
+    assert model.lean.steps == steps_before

@@ -11,15 +11,16 @@ import torch
 from engine.decoding.beam_search import BeamTails
 from engine.loading.random_model import TINY, random_model
 from engine.model import lean_cpu
+from engine.model.lean_cpu import LEAN_PROMPT_MAX_ROWS
 from engine.model.lean_matrices import int4_available
 
 pytestmark = pytest.mark.skipif(
     not int4_available(), reason="this torch lacks the CPU int4 product"
 )
 
-# Longer than LEAN_MAX_ROWS, so the prompt is computed by the general path, as a cold one is,
-# and the lean forwards counted here are the tests' own.
-PROMPT = 12
+# Longer than LEAN_PROMPT_MAX_ROWS, so the prompt is computed by the general path, as a long cold
+# one is, and the lean forwards counted here are the tests' own.
+PROMPT = LEAN_PROMPT_MAX_ROWS + 4
 
 
 @pytest.fixture(scope="module")
