@@ -85,7 +85,7 @@ from engine.model.qwen3_moe import Qwen3MoeModel
 from engine.models import embedded_model_dir
 from engine.prompts.fim import build_fim_prompt
 
-FP8_BLOCK = 64  # the shipped model's blocks
+FP8_BLOCK = 64  # wd-coder-tiny's blocks
 INT4_GROUP = 32  # run 12's groups (export --int4-group 32)
 # The embedded model's embedding has a standard deviation of 0.17.
 EMBED_STD = 0.15
@@ -174,7 +174,7 @@ def embedded_config() -> dict:
 # head, as shipped). The larger ones take the widest experts (a multiple of 64) that keep the FP8
 # file under 128 MB, in 8 or 16 experts; the smaller ones lie between them and the shipped shape.
 SHAPES: dict[str, Shape] = {
-    "shipped": Shape.of_config(embedded_config()),  # 320 x 8, 8 experts of 384
+    "shipped": Shape.of_config(embedded_config()),  # the embedded default model's
     "h512-l8-e8-i256": Shape(512, 8, 8, 4, 8, 2, 256),
     "h512-l8-e8-i384": Shape(512, 8, 8, 4, 8, 2, 384),
     "h512-l8-e16-i384": Shape(512, 8, 8, 4, 16, 2, 384),

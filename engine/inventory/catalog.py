@@ -1,5 +1,5 @@
-"""The models on this machine: the embedded default, `$WD_LSP_MODEL`'s, the snapshots in the
-Hugging Face cache, and the model folders under the local model folders
+"""The models on this machine: the embedded ones (the default first), `$WD_LSP_MODEL`'s, the
+snapshots in the Hugging Face cache, and the model folders under the local model folders
 (engine.models.local_model_dirs), each described from its config.json and safetensors headers
 alone (no weight is read)."""
 
@@ -17,7 +17,7 @@ from engine.models import (
     MODEL_ENV_VAR,
     ModelNotFound,
     default_model_dir,
-    embedded_model_dir,
+    embedded_model_dirs,
     local_model_dirs,
 )
 
@@ -51,7 +51,7 @@ def find_models(cache: str | Path | None = None) -> Catalog:
     except ModelNotFound as exc:
         default, default_problem = None, f"{MODEL_ENV_VAR}={os.environ.get(MODEL_ENV_VAR)}: {exc}"
     found: list[LocalModel] = [
-        describe(embedded_model_dir(), embedded_model_dir().name, "embedded")
+        describe(path, path.name, "embedded") for path in embedded_model_dirs()
     ]
     for cached in cached_models(cache):
         found.append(

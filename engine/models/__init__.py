@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent
-# The embedded default model's folder name under engine/models/.
-DEFAULT_MODEL_NAME = "wd-coder-tiny"
+# The embedded default model's folder name under engine/models/. The package ships one more,
+# `wd-coder-tiny`, the earlier default: smaller and weaker, named by `--model wd-coder-tiny`.
+DEFAULT_MODEL_NAME = "wd-coder-small"
 MODEL_ENV_VAR = "WD_LSP_MODEL"
 # Folders holding model folders (os.pathsep-separated), listed by `wd-engine models` and looked in
 # for a bare model name; the user's data folder is always one of them.
@@ -22,6 +23,16 @@ class ModelNotFound(LookupError):
 
 def embedded_model_dir() -> Path:
     return MODELS_DIR / DEFAULT_MODEL_NAME
+
+
+def embedded_model_dirs() -> list[Path]:
+    """Every model folder shipped in the package, the default first."""
+    others = sorted(
+        p
+        for p in MODELS_DIR.iterdir()
+        if (p / "config.json").is_file() and p.name != DEFAULT_MODEL_NAME
+    )
+    return [embedded_model_dir(), *others]
 
 
 def default_model_dir() -> Path:

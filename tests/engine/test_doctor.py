@@ -55,7 +55,7 @@ def test_doctor_says_what_a_new_user_needs_to_know(tmp_path):
     assert "Helix: wd-lsp in ~/.config/helix/languages.toml" in editors
     models = done.stdout.split("\nmodels:\n", 1)[1].splitlines()
     assert models[0].split()[:2] == ["MODEL", "ARCHITECTURE"]
-    assert models[1].split()[:2] == ["*", "wd-coder-tiny"] and "fits (" in models[1]
+    assert models[1].split()[:2] == ["*", "wd-coder-small"] and "fits (" in models[1]
     assert len(done.stdout.splitlines()) < 30, "more than a screen"
 
 

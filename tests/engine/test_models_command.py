@@ -56,7 +56,7 @@ def test_models_lists_what_is_here_with_fit_verdicts(tmp_path, model_folder):
     report = json.loads(done.stdout)
     assert report["gpus"][0]["faked"] and report["gpus"][0]["total_bytes"] == need + 10**6
     models = {m["name"]: m for m in report["models"]}
-    assert list(models) == ["wd-coder-tiny", PARTIAL, REPO, "llama", "mine"]
+    assert list(models) == ["wd-coder-small", "wd-coder-tiny", PARTIAL, REPO, "llama", "mine"]
     pulled = models[REPO]
     snap = snapshot_path(tmp_path, hub, REPO)
     assert pulled["path"] == str(snap) and pulled["source"] == "hub cache"
@@ -66,8 +66,10 @@ def test_models_lists_what_is_here_with_fit_verdicts(tmp_path, model_folder):
     assert pulled["gpu"] == {"fits": True, "needed_bytes": need, "why": None}
     assert pulled["cpu"]["fits"] is True
     # The default: what WD_LSP_MODEL names (a repo id here), not the embedded model.
-    assert pulled["default"] and not models["wd-coder-tiny"]["default"]
-    assert models["wd-coder-tiny"]["format"] == "fp8"
+    assert pulled["default"] and not models["wd-coder-small"]["default"]
+    assert (
+        models["wd-coder-small"]["format"] == "int4" and models["wd-coder-tiny"]["format"] == "fp8"
+    )
     assert models["mine"]["source"] == "models folder" and models["mine"]["gpu"]["fits"]
     assert models[PARTIAL]["problem"] == (
         f"partly downloaded (missing {shard.name}): finish it with `wd-engine pull {PARTIAL}`"
