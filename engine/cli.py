@@ -789,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser(
         "models",
-        help="the models on this machine (hub cache, model folders, the embedded one): "
+        help="the models on this machine (hub cache, model folders, the embedded ones): "
         "architecture, format, size, context, whether each fits the GPU and the CPU memory, "
         "and the default",
     )

@@ -82,8 +82,12 @@ def backend():
 def test_engine_logits_match_transformers(hf_model):
     from engine.loading.loader import load_model
     from engine.loading.tokenizer import Tokenizer
+    from engine.model.options import ModelOptions
 
-    model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
+    # The general path, prefill's arithmetic (short prompts would take the lean forward, whose
+    # int4 step computes in bf16: the tests below pin its answers).
+    model = load_model(MODEL_DIR, options=ModelOptions(lean_decode=False))
+    tok = Tokenizer.from_dir(MODEL_DIR)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         ours = model.forward(
@@ -97,10 +101,11 @@ def test_engine_logits_match_transformers(hf_model):
 @needs_engine
 @pytest.mark.parametrize("options", [dict(lean_weights="fp32"), dict(lean_guard=True)])
 def test_exact_decode_steps_keep_transformers_greedy_tokens(hf_model, options):
-    """The CPU's lone decode step over fp32 copies of the weights, and the int4 step with its
-    guard (recomputed from fp32 where not decisive), give fp32 transformers' greedy tokens for 32
-    free-running steps on these plain prompts. (The unguarded int4 step, the default, keeps the
-    pinned single-line answers below; over 32 free steps one near-tie may go the other way.)"""
+    """The CPU's lean forward (these short prompts and every decode step) over fp32 copies of the
+    weights, and the int4 one with its guard (recomputed from fp32 where not decisive), give fp32
+    transformers' greedy tokens for 32 free-running steps on these plain prompts. (The unguarded
+    int4 step, the default, keeps the pinned single-line answers below; over 32 free steps one
+    near-tie may go the other way.)"""
     from engine_runs import complete
 
     from engine.loading.loader import load_model
@@ -140,8 +145,9 @@ PINNED_FIM = [
 
 @needs_engine
 def test_default_decode_gives_the_models_own_greedy_answers():
-    """The CPU's default decode step (the lean path, with speculation, as `generate` and the
-    daemon run it) completes each pinned task as the general path, prefill's arithmetic, does."""
+    """The CPU's default arithmetic (the lean forward for these short prompts and every decode
+    step, with speculation, as `generate` and the daemon run it) completes each pinned task as
+    the general path, prefill's arithmetic for long prompts, does."""
     from engine.core.engine import Engine
     from engine.core.request import Request
     from engine.loading.loader import load_model

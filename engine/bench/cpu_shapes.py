@@ -325,7 +325,8 @@ def random_weights(config: dict, seed: int = 0) -> Iterator[tuple[TensorSpec, to
 
 def write_folder(config: dict, folder: Path, seed: int = 0, fmt: str = "fp8") -> Path:
     """A model folder of the shape with random weights: the projections as FP8 64x64 blocks
-    (fmt "fp8", as the shipped model) or int4 groups of 32 ("int4"), the rest bf16."""
+    (fmt "fp8", as wd-coder-tiny) or int4 groups of 32 ("int4", as wd-coder-small), the rest
+    bf16."""
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(config)
     weights = {}

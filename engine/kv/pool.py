@@ -144,7 +144,8 @@ class PagedBatch(ModelCache):
         """Store this step's K/V in the pool, then causal attention of q [B, Hq, T, D].
 
         Decode steps on CUDA read the blocks in place (Triton paged attention), so does the CPU
-        (runs of consecutive slots as views); fp8 storage elsewhere gathers and dequantises."""
+        (runs of consecutive slots as views; a prefill chunk joins them for the fused attention);
+        fp8 storage elsewhere gathers and dequantises."""
         pool = self.pool
         slots = self.slot_map.gather(1, positions)  # [B, T]
         pool.write(layer, slots.reshape(-1), _rows(k), _rows(v))

@@ -14,8 +14,9 @@ products and a norm scale that is a Python float, the leanest form of each op.
 
 One layer computation serves every use; they differ only in how attention reads the cache:
 - `CacheRows`: new rows at the end of one sequence's cache, causal among themselves: a decode
-  step's token, or [last token] + a speculative draft (engine.decoding.prompt_lookup), whose rows
-  cost far less than as many decode steps: the weights are read once for all of them;
+  step's token, [last token] + a speculative draft (engine.decoding.prompt_lookup), or a short
+  prompt's tokens, whose rows cost far less than as many steps: the weights are read once for
+  all of them;
 - `BeamRows`: a beam search's beams at one position (engine.decoding.beam_search): each sees the
   prompt's keys, which every beam shares and none writes, then its own beam's keys.
 """
@@ -49,8 +50,8 @@ LeanMatrix = (
 # rows' outputs [..., Hq, D], with `...` the rows' leading dimension (none for one row).
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The most rows one lean forward takes: a decode step's token and a speculative draft behind it,
-# or a beam search's beams (engine.ipc.protocol.MAX_BEAMS of them at most).
+# The most rows of a draft's or a beam search's lean forward: a decode step's token and a
+# speculative draft behind it, or a beam search's beams (engine.ipc.protocol.MAX_BEAMS at most).
 LEAN_MAX_ROWS = 9
 # The most tokens of a prompt one lean forward computes (a cache hit's new tokens, a short cold
 # prompt): up to about this many rows the lean forward's one pass over the stored weights beats
@@ -373,6 +374,7 @@ class LeanCpu:
         the rows whose answer is used, computed again from the fp32 weights after `undo` (which
         forgets what the first attempt added). `draft`: the rows after the first verify a draft
         (`_rows_used`); otherwise every row is used. `last_only`: the last row's logits alone."""
+        assert not (draft and last_only), "a draft's verification reads every row"
         if self.exact_layers is None or not self.guarded:
             return self._forward(tokens, rope, attend, self.layers, exact_logits, last_only)
         self._row_routes = [math.inf] * len(tokens)

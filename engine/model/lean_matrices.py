@@ -8,8 +8,8 @@ one interface, products of rows x [n, in]:
   by torch's `_weight_int8pack_mm` with the activations in bf16 and fp32 sums inside. A decode step
   on a small CPU is bound by the bytes of weights it streams, and int8 moves a quarter of fp32's.
   The cost is rounding: a row's weights to 1/254 of its largest, the activations and results to
-  bf16 (relative 2^-9). That rounding changes some greedy completions of the shipped model (whose
-  FP8 blocks int8 rows cannot represent), so int8 is opt-in; fp32 is the default.
+  bf16 (relative 2^-9). That rounding changes some greedy completions of wd-coder-tiny (whose FP8
+  blocks int8 rows cannot represent), so int8 is opt-in; fp32 is the default for such models.
 - `Int4Matrix`: int4 values with one scale per group of input columns, the checkpoint format of a
   model trained through int4 rounding (engine.loading.int4), multiplied by torch's
   `_weight_int4pack_mm_for_cpu` with bf16 activations. For such a model it holds the weights

@@ -121,8 +121,9 @@ class Qwen3MoeModel:
         )
 
     def lean_path_applies(self) -> bool:
-        """Whether the lean CPU forward runs: one sequence's decode steps, and the forwards of a
-        few rows (`forward_tail`, `forward_beams`)."""
+        """Whether the lean CPU forward runs: one sequence's decode steps, its prompts of up to
+        LEAN_PROMPT_MAX_ROWS tokens, and the forwards of a few rows (`forward_tail`,
+        `forward_beams`)."""
         return self.lean is not None
 
     def prepare_lean_decode(self) -> None:

@@ -64,7 +64,7 @@ def resolve_model(name: str | os.PathLike | None, cache: str | Path | None = Non
     - a path to a folder: that folder;
     - a Hugging Face repo id, `Org/Name` or `Org/Name@REVISION`: its snapshot in the hub cache
       (engine.hub.cache; `cache` overrides the cache folder);
-    - a bare folder name found under `local_model_dirs()`, or the embedded model's name.
+    - a bare folder name found under `local_model_dirs()`, or an embedded model's name.
 
     ModelNotFound, naming `wd-engine pull` for a repo id, when it means nothing here (a path
     that is no folder is returned as it is: loading it says what is wrong)."""

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MODEL_NAME = "wd-coder-tiny"
-
 # Sized for the 48 MB package budget (about 23M params in bf16, embeddings tied) and for a 2-core
 # CPU: about 6M active params per token, so a single-line suggestion decodes quickly there.
 # `train --widen-experts` grows the experts of a trained model (engine/train/grow.py); export
 # writes the width its checkpoint has, and FP8 export (`--fp8-block`) halves the projections' bytes.
-# These are the first model's sizes; the shipped model (run 7) has 384-wide experts in FP8.
+# These are the first model's sizes; wd-coder-tiny (run 7) has 384-wide experts in FP8, and the
+# default, wd-coder-small, its own shape (its config.json; engine.bench.cpu_shapes).
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",

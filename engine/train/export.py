@@ -1,6 +1,6 @@
 """Turn a training checkpoint into the shipped Hugging Face model folder.
 
-    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir engine/models/wd-coder-tiny \\
+    python -m engine.train.export --ckpt RUN_OUT/ckpt --model-dir MODEL_DIR \\
         [--fp8-block 64 | --int4-group 32]
 
 Writes one `model.safetensors` (standard per-expert HF keys, tied lm_head omitted as transformers

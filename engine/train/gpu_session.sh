@@ -11,7 +11,7 @@
 #                                       first with --clear, so no other run's pieces are left)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
-#                                       training and watch it: resuming the shipped model, or
+#                                       training and watch it: resuming wd-coder-tiny, or
 #                                       RESUME=DIR (a checkpoint or export: its recorded config.json
 #                                       is the shape), or SHAPE=config.json alone: a model of that
 #                                       shape from scratch; if no step comes within minutes, it

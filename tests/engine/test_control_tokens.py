@@ -1,8 +1,6 @@
 """A completion never writes a control token as text: the ones that close a middle or a file end
 it, the ones that open a prompt section are never sampled, on both generation paths."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from engine_runs import complete
@@ -13,8 +11,9 @@ from engine.core.request import Request
 from engine.kv.pool import PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
+from engine.models import embedded_model_dir
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "engine" / "models" / "wd-coder-tiny"
+DEFAULT_MODEL = embedded_model_dir()
 ENDING = ["<|endoftext|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
 UNSAMPLED = ["<|fim_prefix|>", "<|fim_middle|>"]
 PROMPT = "def add(a, b):\n    return a"

@@ -93,8 +93,14 @@ def test_forward_tail_declines_where_it_does_not_apply():
     assert general.forward_tail([1, 2], 0, PagedBatch(pool, [[0]], "cpu")) is None
 
 
-@pytest.mark.parametrize("form", ["fp32", "int8"])
+# The default model's own forms: fp32 copies, and its int4 groups as stored (bf16 activations,
+# within int8's tolerance).
+@pytest.mark.parametrize("form", ["fp32", "int4"])
 def test_forward_tail_on_the_shipped_model(form):
+    from engine.model.lean_matrices import int4_available
+
+    if form == "int4" and not int4_available():
+        pytest.skip("this torch lacks the CPU int4 product")
     d = default_model_dir()
     model, tok = load_model(d, options=ModelOptions(lean_weights=form)), Tokenizer.from_dir(d)
     c = model.config
@@ -110,14 +116,15 @@ def test_forward_tail_on_the_shipped_model(form):
             torch.tensor([ids[:start]]), torch.arange(start)[None], PagedBatch(pool, [table], "cpu")
         )
     lean = model.forward_tail(ids[start:], start, PagedBatch(pools[0], [table], "cpu"))
-    general = model.forward(
+    # A six-token prompt would take the lean forward too: the reference is the general path.
+    general = model.with_options(lean_decode=False).forward(
         torch.tensor([ids[start:]]),
         torch.arange(start, len(ids))[None],
         PagedBatch(pools[1], [table], "cpu"),
     )[0]
-    assert (
-        max(_row_diffs(lean, general)) < TOLERANCE[form]
-    )  # every row: the shipped router is not near-tied here
+    diffs = _row_diffs(lean, general)
+    # Every row: the shipped router is not near-tied here.
+    assert 0 < max(diffs) < TOLERANCE["fp32" if form == "fp32" else "int8"]
     assert torch.equal(lean.argmax(-1), general.argmax(-1))
 
 
