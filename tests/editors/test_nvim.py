@@ -51,7 +51,7 @@ TYPED = "return fib"
 # first that does is used).
 CYCLE_LINES = ["    x = ", "    y = math.", "    return fibonacci(n - 1) + "]
 # A line where the embedded model suggests several lines.
-MULTILINE_AT = "    for i in range(n):"
+MULTILINE_AT = "    for k in range(3):"
 
 
 class Setup:

@@ -14,6 +14,7 @@ from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.random_model import TINY, random_model
 from engine.model.cuda_graph import DecodeStep
+from engine.model.options import ModelOptions
 from engine.model.qwen3_moe import weight_bytes
 from kernels.quant import Fp8Weight, Int4Weight, is_quantized
 
@@ -50,7 +51,12 @@ def test_a_quantized_folder_kept_quantized_computes_its_dequantized_weights(
 
 @pytest.mark.parametrize("fmt,size", FORMATS)
 def test_random_quantized_model_equals_its_dequantized_copy(fmt, size):
-    model = random_model(TINY, dtype=torch.float32, seed=3, quant=fmt, quant_size=size)
+    # The general path on both sides: the dequantized copy would otherwise run short prompts on
+    # the lean forward (its int4 step where the groups are exact), not the arithmetic compared.
+    general = ModelOptions(lean_decode=False)
+    model = random_model(
+        TINY, dtype=torch.float32, seed=3, quant=fmt, quant_size=size, options=general
+    )
     assert model.quantized and is_quantized(model.layers[1].w_down)
     plain = model.dequantized()
     assert not plain.quantized
@@ -62,7 +68,10 @@ def test_random_quantized_model_equals_its_dequantized_copy(fmt, size):
 def test_the_decode_step_reads_quantized_weights(fmt, size):
     """The fused decode step (interpreter) over the stored weights gives the logits of the same
     step over the dequantized ones."""
-    model = random_model(TINY, dtype=torch.float32, seed=4, quant=fmt, quant_size=size)
+    general = ModelOptions(lean_decode=False)  # the prompt by the general path on both sides
+    model = random_model(
+        TINY, dtype=torch.float32, seed=4, quant=fmt, quant_size=size, options=general
+    )
     cfg = model.config
     logits = []
     for m in (model, model.dequantized()):
