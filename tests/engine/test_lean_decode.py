@@ -299,3 +299,28 @@ def test_a_prompts_short_tail_takes_the_lean_forward(new_tokens):
     longer = torch.randint(0, model.config.vocab_size, (1, LEAN_PROMPT_MAX_ROWS + 1), generator=g)
     model.forward(longer, torch.arange(LEAN_PROMPT_MAX_ROWS + 1)[None], model.new_cache(1))
     assert model.lean.steps == steps_before
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8"])
+def test_a_short_cold_prompt_takes_the_lean_forward(form):
+    # A prompt of a few tokens on an empty cache (position 0 on): the lean forward computes it,
+    # and the decode step after it reads the keys it wrote; against the general path throughout.
+    model = lean_path_model("moe", form)
+    general = model.with_options(lean_decode=False)
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=g)
+    token = torch.randint(0, model.config.vocab_size, (1, 1), generator=g)
+    caches = [model.new_cache(1), general.new_cache(1)]
+    steps_before = model.lean.steps
+    first = [
+        m.forward(prompt, torch.arange(20)[None], c, last_only=True)[0, -1]
+        for m, c in zip((model, general), caches)
+    ]
+    after = [
+        m.forward(token, torch.tensor([[20]]), c)[0, -1] for m, c in zip((model, general), caches)
+    ]
+    assert model.lean.steps == steps_before + 2
+    for lean, expected in (first, after):
+        assert 0 < _rel(lean, expected) < TOLERANCE[form]
+        if form == "fp32":
+            assert int(lean.argmax()) == int(expected.argmax())
