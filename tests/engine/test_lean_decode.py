@@ -272,12 +272,7 @@ def test_one_beam_decodes_as_the_lean_step_does(steps):
 def test_a_prompts_short_tail_takes_the_lean_forward(new_tokens):
     # A prompt's few tokens (after a cache hit here) run on the lean forward: the same logits as
     # the general path's within fp32 rounding (> 0: the lean forward ran), every row or the last.
-    model = random_model(
-        dict(TINY, vocab_size=512),
-        dtype=torch.float32,
-        seed=21,
-        options=ModelOptions(lean_weights="fp32"),
-    )
+    model = lean_path_model("moe", "fp32")
     general = model.with_options(lean_decode=False)
     g = torch.Generator().manual_seed(22)
     cached_len = LEAN_PROMPT_MAX_ROWS + 8  # longer: computed by the general path
