@@ -11,11 +11,11 @@ Two launches and nothing else — no sort, pad, scatter, combine or activation q
 
 On Hopper and later the pair can overlap (config `"pdl"`): kernel 2 is launched with
 programmatic dependent launch, kernel 1 lets it start as soon as every kernel-1 program is
-running, and kernel 2 loads its first chunk of down rows (`"preload"`) before it waits for
-kernel 1's activations. Those rows depend only on the routing, which is complete before
-kernel 1 starts, so part of kernel 2's weight traffic overlaps kernel 1's tail. (An L2
-prefetch of all its rows, `"prefetch"`, and kernel 1 prefetching them, `"prefetch_down"`, were
-measured slower; the tuner keeps them as candidates.)
+running, and kernel 2 loads the first columns of its down rows (`"preload"`: one step's, or
+more) before it waits for kernel 1's activations. Those rows depend only on the routing,
+which is complete before kernel 1 starts, so part of kernel 2's weight traffic overlaps
+kernel 1's tail. (An L2 prefetch of all its rows, `"prefetch"`, and kernel 1 prefetching them,
+`"prefetch_down"`, were measured slower; the tuner keeps them as candidates.)
 
 Work grows with T*k expert-row reads, so this is the decode path; `kernels.dispatch` switches
 to the expert-centric path (`kernels.fused_moe`) where that is measured to be faster.
@@ -224,15 +224,16 @@ def _down_tile(w, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _int4_down_step(w, s_ptrs, mask_kh, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.constexpr):
+def _int4_down_step(w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.constexpr):
     """One step of int4 down words w [K, BLOCK_H, C] -> its fp32 [K, BLOCK_H, C] share of the
     accumulator. `cols` [C] are the step's columns 8c; a_rows [K, 1] points at each slot's
-    activation row, s_ptrs [K, BLOCK_H] at each row's scale of the step's group.
+    activation row; `scales` are each word's (row, group) scale, [K, BLOCK_H, 1] where the step
+    lies within one group, else [K, BLOCK_H, C].
 
     Plane j (value j of every word) holds columns 8c + j, so it meets the slots' activations of
     those columns, loaded strided (they come from L1) and times the routing weight in fp32: a
-    [K, C] tile. No word is expanded to its eight columns, and as the step lies within one
-    group, the (row, group) scale multiplies the step's sum once."""
+    [K, C] tile. No word is expanded to its eight columns, and the scale multiplies the sum of
+    a word's eight products once."""
     part = tl.zeros(w.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         if EVEN:
@@ -242,8 +243,64 @@ def _int4_down_step(w, s_ptrs, mask_kh, a_rows, cols, n_cols, mask_k, route_w, E
             a = tl.load(a_rows + (cols + j)[None, :], mask=mask_a, other=0.0)
         a = a.to(tl.float32) * route_w[:, None]
         part += int4_plane(w, j) * a[:, None, :]
-    scales = tl.load(s_ptrs, mask=mask_kh, other=0.0).to(tl.float32)
-    return part * scales[:, :, None]
+    return part * scales
+
+
+@triton.jit
+def _int4_step_scales(
+    s_ptrs, mask_kh, i0, cols, n_cols, STEP_COLS: tl.constexpr, SCALE_COLS: tl.constexpr
+):
+    """The scales of an int4 down step of STEP_COLS columns from i0, `cols` (8c) its words'
+    first columns; s_ptrs [K, BLOCK_H] point at each row's scales. One per row where the step
+    lies within a group (the loop's steps), else one per word (a preload wider than a group)."""
+    if STEP_COLS <= SCALE_COLS:
+        scales = tl.load(s_ptrs + i0 // SCALE_COLS, mask=mask_kh, other=0.0).to(tl.float32)
+        scales = scales[:, :, None]
+    else:
+        mask = mask_kh[:, :, None] & (cols < n_cols)[None, None, :]
+        groups = (cols // SCALE_COLS)[None, None, :]
+        scales = tl.load(s_ptrs[:, :, None] + groups, mask=mask, other=0.0).to(tl.float32)
+    return scales
+
+
+@triton.jit
+def _down_part(
+    w,
+    i0,
+    a_rows,
+    s_ptrs,
+    mask_kh,
+    mask_k,
+    route_w,
+    inter,
+    STEP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """The fp32 share [K, BLOCK_H, STEP / PER_ITEM] of down words or values w [K, BLOCK_H,
+    STEP / PER_ITEM] loaded from columns i0 .. i0 + STEP - 1: the slots' activations of those
+    columns times the routing weight (and FP8's scale), folded in fp32 before anything is
+    rounded. EVEN: no slot is padding and the step ends within the row."""
+    offs = tl.arange(0, STEP // PER_ITEM)
+    if FORMAT == 2:
+        cols = i0 + 8 * offs
+        scales = _int4_step_scales(s_ptrs, mask_kh, i0, cols, inter, STEP, SCALE_COLS)
+        part = _int4_down_step(w, scales, a_rows, cols, inter, mask_k, route_w, EVEN)
+    else:
+        cols = i0 + offs
+        if EVEN:
+            a = tl.load(a_rows + cols[None, :])
+        else:
+            mask_a = mask_k[:, None] & (cols < inter)[None, :]
+            a = tl.load(a_rows + cols[None, :], mask=mask_a, other=0.0)
+        a = a.to(tl.float32) * route_w[:, None]
+        if FORMAT == 1:
+            a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, STEP, SCALE_COLS)
+        part = _down_tile(w, FORMAT) * a[:, None, :]
+    return part
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -277,6 +334,7 @@ def _down_kernel(
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     PRELOAD: tl.constexpr,
+    EVEN_PRELOAD: tl.constexpr,
     ROUTING_READY: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel of a PDL chain may start during this one's tail
@@ -295,7 +353,6 @@ def _down_kernel(
     route_w = tl.load(weights_ptr + slots, mask=mask_k, other=0.0).to(tl.float32)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_i = tl.arange(0, BLOCK_I)
     offs_c = tl.arange(0, BLOCK_I // PER_ITEM)  # stored items (int4: words) of a step
     mask_h = offs_h < hidden
     if PREFETCH_LINES > 0:
@@ -308,82 +365,59 @@ def _down_kernel(
             + rows[None, :, None] * stride_wh
             + lines[None, None, :] * LINE_ELEMS
         )
-    w_ptrs = (
-        w_ptr
-        + experts[:, None, None] * stride_we
-        + offs_h[None, :, None] * stride_wh
-        + offs_c[None, None, :]
-    )
+    w_ptrs = w_ptr + experts[:, None, None] * stride_we + offs_h[None, :, None] * stride_wh
     if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; scales go into the activations
         s_ptrs = s_ptr + experts * stride_se + (pid_h * BLOCK_H // SCALE_ROWS) * stride_sh
-    else:  # int4: a scale per slot, row and step
+    else:  # int4: a scale per slot, row and group
         s_ptrs = s_ptr + experts[:, None] * stride_se + offs_h[None, :] * stride_sh
     mask_kh = mask_k[:, None] & mask_h[None, :]
     a_rows = act_ptr + slots[:, None] * inter
-    a_ptrs = a_rows + offs_i[None, :]
-    # int4: a column per word, the sum over its eight values being formed in the step.
-    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
-    if PRELOAD:  # the first chunk of down rows needs only the routing: load it before the wait
-        mask_a0 = mask_k[:, None] & (offs_i < inter)[None, :]
-        mask_w0 = mask_k[:, None, None] & mask_h[None, :, None]
-        mask_w0 = mask_w0 & (offs_c * PER_ITEM < inter)[None, None, :]
-        w0 = tl.load(w_ptrs, mask=mask_w0, other=0)
+    if PRELOAD > 0:  # the first PRELOAD columns of down rows need only the routing: load them now
+        offs_p = tl.arange(0, PRELOAD // PER_ITEM)
+        mask_p = mask_kh[:, :, None] & (offs_p * PER_ITEM < inter)[None, None, :]
+        w_pre = tl.load(w_ptrs + offs_p[None, None, :], mask=mask_p, other=0)
     if PDL and ROUTING_READY:  # kernel 1's activations are visible after this
         tl.extra.cuda.gdc_wait()
-    i_start = 0
-    if PRELOAD:
-        if FORMAT == 2:
-            acc += _int4_down_step(
-                w0, s_ptrs, mask_kh, a_rows, 8 * offs_c, inter, mask_k, route_w, EVEN_K and EVEN_I
-            )
-        else:
-            a0 = tl.load(a_ptrs, mask=mask_a0, other=0.0).to(tl.float32) * route_w[:, None]
-            if FORMAT == 1:
-                a0 = a0 * fp8_slot_column_scales(s_ptrs, 0, inter, K_PAD, BLOCK_I, SCALE_COLS)
-            acc += _down_tile(w0, FORMAT) * a0[:, None, :]
-        a_ptrs += BLOCK_I
-        w_ptrs += BLOCK_I // PER_ITEM
-        i_start = BLOCK_I
-    for i0 in range(i_start, inter, BLOCK_I):
+    # int4: a column per word, the sum over its eight values being formed in the step.
+    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
+    acc_rows = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+    if PRELOAD > 0:
+        part = _down_part(
+            w_pre, 0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
+            PRELOAD, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_PRELOAD,
+        )  # fmt: skip
+        acc_rows += tl.sum(part, axis=2)
+    w_ptrs += PRELOAD // PER_ITEM + offs_c[None, None, :]
+    for i0 in range(PRELOAD, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
-            if FORMAT != 2:  # int4 reads the activations plane by plane (_int4_down_step)
-                a = tl.load(a_ptrs).to(tl.float32)
             w = tl.load(w_ptrs)
         else:
-            mask_a = mask_k[:, None] & ((i0 + offs_i) < inter)[None, :]
-            mask_w = mask_k[:, None, None] & mask_h[None, :, None]
-            mask_w = mask_w & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
-            if FORMAT != 2:
-                a = tl.load(a_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+            mask_w = mask_kh[:, :, None] & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
             w = tl.load(w_ptrs, mask=mask_w, other=0)
-        if FORMAT == 2:
-            acc += _int4_down_step(
-                w,
-                s_ptrs + i0 // SCALE_COLS,
-                mask_kh,
-                a_rows,
-                i0 + 8 * offs_c,
-                inter,
-                mask_k,
-                route_w,
-                EVEN_K and EVEN_I,
-            )
-        else:
-            # The routing weight (and FP8's scale) is folded in fp32, before anything is rounded.
-            a = a * route_w[:, None]
-            if FORMAT == 1:
-                a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, BLOCK_I, SCALE_COLS)
-            acc += _down_tile(w, FORMAT) * a[:, None, :]
-        a_ptrs += BLOCK_I
+        acc += _down_part(
+            w, i0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
+            BLOCK_I, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_I,
+        )  # fmt: skip
         w_ptrs += BLOCK_I // PER_ITEM
 
-    y = tl.sum(tl.sum(acc, axis=2), axis=0)
+    y = tl.sum(tl.sum(acc, axis=2) + acc_rows, axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+
+
+def preload_cols(preload, block_i: int, inter: int) -> int:
+    """Columns of down rows kernel 2 loads before its PDL wait: cfg "preload" True is the first
+    step's (block_i), a number that many columns, rounded to a power of two between block_i and
+    the whole row; 0 for none."""
+    if not preload:
+        return 0
+    cols = block_i if preload is True else next_pow2(int(preload))
+    return max(block_i, min(cols, next_pow2(inter)))
 
 
 DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
 # "pdl": overlap with kernel 1 where supported; "prefetch": L2 prefetch of the down rows first;
-# "preload": the first chunk of down rows loaded into registers before waiting for kernel 1.
+# "preload": down rows loaded into registers before waiting for kernel 1 (True: the first step's
+# columns; a number: that many columns, see preload_cols).
 DEFAULT_DOWN = {"BLOCK_H": 8, "BLOCK_I": 128, "num_warps": 4, "pdl": False, "prefetch": False}
 
 
@@ -536,6 +570,7 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
     line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
     prefetch = pdl and routing_ready and cfg.get("prefetch") and w.format == PLAIN
     prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if prefetch else 0
+    preload = preload_cols(cfg.get("preload"), block_i, inter) if routing_ready else 0
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act,
         w.stored,
@@ -565,7 +600,8 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
         PDL=pdl,
         PREFETCH_LINES=prefetch_lines,
         LINE_ELEMS=line_elems,
-        PRELOAD=bool(cfg.get("preload")) and routing_ready,
+        PRELOAD=preload,
+        EVEN_PRELOAD=preload > 0 and inter % preload == 0,
         ROUTING_READY=routing_ready or not pdl,
         **_launch_opts(cfg, pdl),
     )

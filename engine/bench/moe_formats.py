@@ -88,14 +88,24 @@ def error(fn, args) -> float:
 
 
 def warp_candidates():
-    """Warp decode configs to sweep: kernel 1's rows x columns per program, kernel 2's rows."""
-    for (bi, bh, warps), (dh, di, pdl) in itertools.product(
+    """Warp decode configs to sweep: kernel 1's rows x columns per program, kernel 2's rows,
+    columns per step and columns loaded before its PDL wait (True: one step's)."""
+    for (bi, bh, warps), (dh, di, pdl, preload) in itertools.product(
         [(1, 2048, 4), (2, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4)],
-        [(2, 128, True), (4, 128, True), (8, 128, True), (4, 256, True), (4, 128, False)],
+        [
+            (2, 128, True, True),
+            (4, 128, True, True),
+            (8, 128, True, True),
+            (4, 256, True, True),
+            (4, 128, False, False),
+            (8, 128, True, 512),
+            (4, 128, True, 1024),
+            (8, 128, True, 1024),
+        ],
     ):
         yield {
             "gate_up": {"BLOCK_I": bi, "BLOCK_H": bh, "num_warps": warps},
-            "down": {"BLOCK_H": dh, "BLOCK_I": di, "num_warps": 4, "pdl": pdl, "preload": pdl},
+            "down": {"BLOCK_H": dh, "BLOCK_I": di, "num_warps": 4, "pdl": pdl, "preload": preload},
         }
 
 
@@ -116,9 +126,14 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
+        by_preload = {}
+        for t, c in timed:
+            key = str(c["down"].get("preload"))
+            by_preload[key] = min(by_preload.get(key, t), t)
         us, cfg = min(timed, key=lambda t: t[0])
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
+        log(f"  best per down preload, {layers.fmt} B={batch}: {by_preload}")
     return best
 
 

@@ -6,21 +6,27 @@
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
-#   latency the latency suite on FP8 (keystroke -> first token with cache and warm-up)
+#   latency the latency suite on FP8 under a 40 GB cap (keystroke -> first token with cache and
+#           warm-up); a machine without the language server's packages needs the wheels of
+#           tests/latency/gpu_wheels.sh carried in .whl/, installed here into a private folder
 #
 #   bash engine/bench/quantized_gpu.sh                 # all stages
 #   STAGES=moe,decode bash engine/bench/quantized_gpu.sh
+#   STAGES=moe MOE_ARGS="--formats fp8,int4 --batches 1,2,4,8" bash engine/bench/quantized_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
 STAGES=${STAGES:-moe,decode,fit,latency}
+MOE_ARGS=${MOE_ARGS:-}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if has moe; then
-    "$PYTHON" -m engine.bench.moe_formats --tune --out "$OUT/moe_formats.json" 2>&1 | tee "$OUT/moe_formats.log"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m engine.bench.moe_formats --tune $MOE_ARGS --out "$OUT/moe_formats.json" 2>&1 \
+        | tee "$OUT/moe_formats.log"
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
 fi
 if has decode; then
@@ -40,6 +46,12 @@ if has fit; then
     done
 fi
 if has latency; then
+    if ! "$PYTHON" -c "import pygls, lsprotocol, tree_sitter_language_pack" 2>/dev/null; then
+        site=$(mktemp -d /tmp/wd-site-XXXXXX)
+        "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
+        export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     OUT="$OUT/latency_fp8" MODES=${MODES:-cache-on,cache-warm} SEGMENTS=${SEGMENTS:-2} \
-        KV_MB=${KV_MB:-4096} bash tests/latency/gpu_run.sh --engine-arg=--quant=fp8
+        KV_MB=${KV_MB:-4096} bash tests/latency/gpu_run.sh --engine-arg=--quant=fp8 \
+        --engine-arg=--gpu-memory-gb=40
 fi

@@ -1,6 +1,6 @@
 """The int4 warp-decode pair compiled for Hopper (sm90) without a GPU, in the variants the
 interpreter cannot vouch for: ragged tiles (masked loads), padded top-k slots, and the down
-kernel's first chunk preloaded before the PDL wait.
+kernel's first columns (one step's, or four steps') preloaded before the PDL wait.
 
 The PTX must hold no int->float conversion (the values come from a bit trick,
 kernels.quant_tiles.int4_plane), and nothing 16-bit — the bf16 activations — may be loaded
@@ -23,7 +23,7 @@ def test_int4_warp_decode_variants_compile_for_hopper():
 
     run = run_without_interpreter("tests.kernels.test_int4_warp_decode_compiles")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "int4 warp decode: compiled 4 gate/up and 12 down variants" in run.stdout, run.stdout
+    assert "int4 warp decode: compiled 4 gate/up and 16 down variants" in run.stdout, run.stdout
 
 
 def compile_int4(kernel: str, pointers: dict, constants: dict) -> str:
@@ -46,12 +46,12 @@ def gate_up_ptx(even: bool, block_h: int) -> str:
     return compile_int4("_gate_up_silu_kernel", pointers, constants)
 
 
-def down_ptx(k_pad: int, even: bool, preload: bool, routing_ready: bool) -> str:
+def down_ptx(k_pad: int, even: bool, preload: int, routing_ready: bool) -> str:
     pointers = dict(act_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", y_ptr="bf16")
     pointers.update(weights_ptr="fp32")
     constants = dict(K_PAD=k_pad, BLOCK_H=8, BLOCK_I=128, EVEN_K=even, EVEN_H=even, EVEN_I=even)
     constants.update(PDL=True, PREFETCH_LINES=0, LINE_ELEMS=64, PRELOAD=preload)
-    constants.update(ROUTING_READY=routing_ready)
+    constants.update(ROUTING_READY=routing_ready, EVEN_PRELOAD=even)
     return compile_int4("_down_kernel", pointers, constants)
 
 
@@ -70,7 +70,7 @@ def main() -> int:
             n_gate_up += 1
         for k_pad in (1, 8):
             early_words = {}
-            for preload, routing_ready in ((True, True), (False, True), (False, False)):
+            for preload, routing_ready in ((512, True), (128, True), (0, True), (0, False)):
                 ptx = down_ptx(k_pad, even, preload, routing_ready)
                 assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
                 early = before_wait(ptx)
@@ -80,8 +80,10 @@ def main() -> int:
                     assert "ld.global" not in early, "a load before the wait races the router"
                 n_down += 1
             # The routing weights are 32-bit loads before the wait either way: preloading must add
-            # the first chunk of words to them.
-            assert early_words[True, True] > early_words[False, True], early_words
+            # the first step's words to them, and four steps' more.
+            assert early_words[512, True] > early_words[128, True] > early_words[0, True], (
+                early_words
+            )
     print(f"int4 warp decode: compiled {n_gate_up} gate/up and {n_down} down variants")
     return 0
 

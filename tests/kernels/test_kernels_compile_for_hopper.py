@@ -98,7 +98,7 @@ def warp_decode_compiles(fmt):
             num_warps=4,
             launch_pdl=True,
         )
-        # Routing known before kernel 1 (its first weights preloaded before the wait), and the
+        # Routing known before kernel 1 (two steps' weights preloaded before the wait), and the
         # router a link of the chain (nothing read before the wait).
         for routing_ready in (True, False):
             down = compile_for_hopper(
@@ -122,7 +122,8 @@ def warp_decode_compiles(fmt):
                     PDL=True,
                     PREFETCH_LINES=0,
                     LINE_ELEMS=64,
-                    PRELOAD=routing_ready,
+                    PRELOAD=2 * block_i if routing_ready else 0,
+                    EVEN_PRELOAD=True,
                     ROUTING_READY=routing_ready,
                     **FORMAT_CONSTS[fmt],
                 ),

@@ -91,12 +91,14 @@ def test_warp_decode_overlap_config_falls_back_without_pdl():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_warp_decode_preloaded_first_chunk(shape):
-    # The down kernel's first chunk loaded ahead of the (PDL) wait, then the loop from chunk 2.
+@pytest.mark.parametrize("preload", [True, 64, 4096], ids=["first-step", "two-steps", "whole-row"])
+def test_warp_decode_preloaded_columns(shape, preload):
+    # Down rows loaded ahead of the (PDL) wait: the first step's columns, two steps' (the loop
+    # goes on from the third), or the whole row (ragged: masked past its end; no loop).
     layer = make_layer(*shape, seed=hash(shape) % 1000 + 5)
     cfg = {
         "gate_up": WARP_SMALL["gate_up"],
-        "down": dict(WARP_SMALL["down"], pdl=True, preload=True),
+        "down": dict(WARP_SMALL["down"], pdl=True, preload=preload),
     }
     check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
 

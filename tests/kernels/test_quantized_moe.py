@@ -24,6 +24,8 @@ SMALL = {
     "down": {"BLOCK_H": 16, "BLOCK_I": 32, "num_warps": 4},
 }
 PRELOAD = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": True}}
+# Two steps' columns before the wait: over several FP8 blocks or int4 groups, a scale per word.
+PRELOAD_WIDE = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": 64}}
 
 
 def float64_reference(x, w_gate_up, w_down, ids, weights):
@@ -48,7 +50,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("config", [SMALL, PRELOAD], ids=["plain", "preload"])
+@pytest.mark.parametrize(
+    "config", [SMALL, PRELOAD, PRELOAD_WIDE], ids=["plain", "preload", "preload-wide"]
+)
 def test_warp_decode_reads_quantized_weights(case, config):
     tokens, hidden, inter, experts, top_k, fmt, size = case
     layer = quantized_moe_layer(*case, seed=sum(case[:5]) + size)
@@ -87,7 +91,9 @@ INT4_CASES = [
 @pytest.mark.parametrize(
     "case", INT4_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-rows{c[6]['down']['BLOCK_H']}"
 )
-@pytest.mark.parametrize("preload", [False, True], ids=["plain", "preload"])
+@pytest.mark.parametrize(
+    "preload", [False, True, 1024], ids=["plain", "preload", "preload-whole-row"]
+)
 def test_int4_warp_decode_by_planes(case, preload):
     """The int4 pair reads each word as eight planes of values (kernels.quant_tiles.int4_plane)
     against strided activations, the group's scale applied once per step: the float64 answer
