@@ -11,7 +11,8 @@
 #                                       first with --clear, so no other run's pieces are left)
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
-#                                       training and watch it: resuming wd-coder-tiny, or
+#                                       training and watch it: resuming the embedded default
+#                                       model (engine/models/wd-coder-small), or
 #                                       RESUME=DIR (a checkpoint or export: its recorded config.json
 #                                       is the shape), or SHAPE=config.json alone: a model of that
 #                                       shape from scratch; if no step comes within minutes, it
@@ -25,7 +26,7 @@
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
 STAGE=${STAGE_DIR:-/tmp/wd-stage}  # outside the checkout, which each call replaces
-MODEL=engine/models/wd-coder-tiny
+MODEL=engine/models/wd-coder-small  # the embedded default: its tokenizer, and RESUME's default
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 

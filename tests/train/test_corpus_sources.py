@@ -413,7 +413,7 @@ def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
         )
 
 
-@pytest.mark.parametrize("part", ["extra", "extra2", "extra4"])
+@pytest.mark.parametrize("part", ["extra", "extra2", "extra4", "extra5"])
 def test_a_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts(part):
     from engine.train.fetch_wheels import read_list, requirement_key
 
@@ -618,4 +618,4 @@ def _packed_corpus(tmp_path: Path) -> None:
         _write(tmp_path / f"c/{name}.jsonl", line)
     pack.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "p.tar.xz")])
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        _write(tmp_path / "engine/models/wd-coder-tiny" / name, "{}")
+        _write(tmp_path / "engine/models/wd-coder-small" / name, "{}")
