@@ -23,11 +23,33 @@ def int4_nibbles_to_float(nibbles):
 
 
 @triton.jit
-def int4_plane(words, J: tl.constexpr):
-    """Value J of every int32 word, as fp32 in [-8, 7], in the words' own shape: the weights of
-    columns 8c + J of a tile whose words are c. The mask also drops the copies of the sign bit
-    that int32's arithmetic shift brings in."""
-    return int4_nibbles_to_float((words >> (4 * J)) & 0xF)
+def int4_upper_half(words):
+    """The words' upper 16 bits moved down, where `int4_plane` reads planes 4-7: one shift a
+    word instead of one a plane (int32's >> copies the sign bit above them; no plane reads it)."""
+    return words >> 16
+
+
+@triton.jit
+def int4_plane(words, upper, J: tl.constexpr):
+    """Value J of every int32 word times 16**(J % 4), as fp32 (u - 8) * 16**(J % 4), exact, in the
+    words' own shape: the weights of columns 8c + J of a tile whose words are c, for a caller that
+    scales what they meet by `int4_plane_scale(J)`. The nibble is masked where it lies (in the
+    words for J < 4, in their `int4_upper_half` for the rest), not shifted down: u * 16**(J % 4)
+    < 2**16 still sits in 2**23's mantissa, so OR and one subtraction give it exactly."""
+    if J < 4:
+        nibble = words & (0xF << (4 * J))
+    else:
+        nibble = upper & (0xF << (4 * (J - 4)))
+    return (nibble | INT4_FLOAT_BITS).to(tl.float32, bitcast=True) - (
+        8388608.0 + 8.0 * (1 << (4 * (J % 4)))
+    )
+
+
+@triton.jit
+def int4_plane_scale(J: tl.constexpr):
+    """1 / 16**(J % 4): what a plane's partner is scaled by. A power of two, so the product is
+    the unscaled one, rounded the same."""
+    return 1.0 / (1 << (4 * (J % 4)))
 
 
 @triton.jit

@@ -38,6 +38,8 @@ from kernels.quant_tiles import (
     fp8_slot_column_scales,
     fp8_values,
     int4_plane,
+    int4_plane_scale,
+    int4_upper_half,
 )
 from kernels.triton_env import interpreting, next_pow2
 
@@ -83,14 +85,16 @@ def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
     to its eight columns, and x is small enough to come from L1. fp32 [R, C] each."""
     gate_q = tl.zeros(gate.shape, dtype=tl.float32)
     up_q = tl.zeros(up.shape, dtype=tl.float32)
+    gate_upper = int4_upper_half(gate)
+    up_upper = int4_upper_half(up)
     for j in tl.static_range(8):
         if EVEN:
             xj = tl.load(x_row + cols + j)
         else:
             xj = tl.load(x_row + cols + j, mask=cols + j < n_cols, other=0.0)
-        xj = xj.to(tl.float32)[None, :]
-        gate_q += int4_plane(gate, j) * xj
-        up_q += int4_plane(up, j) * xj
+        xj = (xj.to(tl.float32) * int4_plane_scale(j))[None, :]
+        gate_q += int4_plane(gate, gate_upper, j) * xj
+        up_q += int4_plane(up, up_upper, j) * xj
     return gate_q, up_q
 
 
@@ -235,14 +239,15 @@ def _int4_down_step(w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.c
     [K, C] tile. No word is expanded to its eight columns, and the scale multiplies the sum of
     a word's eight products once."""
     part = tl.zeros(w.shape, dtype=tl.float32)
+    upper = int4_upper_half(w)
     for j in tl.static_range(8):
         if EVEN:
             a = tl.load(a_rows + (cols + j)[None, :])
         else:
             mask_a = mask_k[:, None] & (cols + j < n_cols)[None, :]
             a = tl.load(a_rows + (cols + j)[None, :], mask=mask_a, other=0.0)
-        a = a.to(tl.float32) * route_w[:, None]
-        part += int4_plane(w, j) * a[:, None, :]
+        a = a.to(tl.float32) * (route_w * int4_plane_scale(j))[:, None]
+        part += int4_plane(w, upper, j) * a[:, None, :]
     return part * scales
 
 
@@ -386,7 +391,10 @@ def _down_kernel(
             w_pre, 0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
             PRELOAD, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_PRELOAD,
         )  # fmt: skip
-        acc_rows += tl.sum(part, axis=2)
+        if PRELOAD == BLOCK_I:
+            acc += part
+        else:
+            acc_rows += tl.sum(part, axis=2)
     w_ptrs += PRELOAD // PER_ITEM + offs_c[None, None, :]
     for i0 in range(PRELOAD, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:

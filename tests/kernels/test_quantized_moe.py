@@ -15,7 +15,7 @@ from quantized_layers import quantized_moe_layer
 from engine.loading import fp8, int4
 from kernels import reference
 from kernels.quant import Fp8Weight, Int4Weight, dequantize, kernels_read, nbytes, unpack_int4
-from kernels.quant_tiles import int4_plane, int4_values
+from kernels.quant_tiles import int4_plane, int4_plane_scale, int4_upper_half, int4_values
 from kernels.warp_decode import warp_decode_moe
 
 # Small tiles so the loops run several steps; the kernels shrink them to fit the scales.
@@ -115,15 +115,17 @@ def test_int4_warp_decode_by_planes(case, preload):
 def _int4_unpack_kernel(words_ptr, planes_ptr, values_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     words = tl.load(words_ptr + offs)
+    upper = int4_upper_half(words)
     for j in tl.static_range(8):
-        tl.store(planes_ptr + offs * 8 + j, int4_plane(words, j))
+        tl.store(planes_ptr + offs * 8 + j, int4_plane(words, upper, j) * int4_plane_scale(j))
     tl.store(values_ptr + tl.arange(0, 8 * N), int4_values(words, 8 * N))
 
 
 def test_int4_nibbles_become_floats_without_a_conversion():
     """OR-ing a nibble into 2**23's bits and subtracting 2**23 + 8 gives q exactly, for all 16
-    values at every position, and for words with the sign bit set (int32's >> copies it, the
-    mask drops it)."""
+    values at every position (masked in place, then scaled back by a power of two), and for
+    words with the sign bit set (int32's >> copies it into the upper half's upper bits, which no
+    plane reads)."""
     nibbles = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # [word, position]
     words = (nibbles << (4 * torch.arange(8))).sum(dim=1)
     words = torch.cat([words, torch.tensor([0, 2**32 - 1, 2**31, 2**31 - 1, 0x89ABCDEF])])
