@@ -25,7 +25,8 @@ def int4_nibbles_to_float(nibbles):
 @triton.jit
 def int4_upper_half(words):
     """The words' upper 16 bits moved down, where `int4_plane` reads planes 4-7: one shift a
-    word instead of one a plane (int32's >> copies the sign bit above them; no plane reads it)."""
+    word instead of one a plane (int32's >> copies the sign bit above them; no plane reads those
+    copies)."""
     return words >> 16
 
 
@@ -48,7 +49,7 @@ def int4_plane(words, upper, J: tl.constexpr):
 @triton.jit
 def int4_plane_scale(J: tl.constexpr):
     """1 / 16**(J % 4): what a plane's partner is scaled by. A power of two, so the product is
-    the unscaled one, rounded the same."""
+    the unscaled one, rounded the same (for partners above 2**-114, which stay normal)."""
     return 1.0 / (1 << (4 * (J % 4)))
 
 

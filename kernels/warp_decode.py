@@ -43,9 +43,9 @@ from kernels.quant_tiles import (
 )
 from kernels.triton_env import interpreting, next_pow2
 
-# fp32 accumulator elements one program of the down kernel holds (k_pad * block_h * block_i):
-# past this the tile spills registers. int4 tiles hold an eighth of that (a column per word), but
-# keep the same bound until larger ones are measured.
+# fp32 elements of one down-kernel step's tile (k_pad * block_h * block_i; int4: a column per
+# word, so an eighth of the columns): past this the tile spills registers. A preload's tile is
+# held to the same bound (preload_cols).
 DOWN_TILE_BUDGET = 16384
 L2_LINE_BYTES = 128
 
@@ -216,8 +216,8 @@ def _gate_up_silu_kernel(
 
 @triton.jit
 def _down_tile(w, FORMAT: tl.constexpr):
-    """A loaded bf16 or FP8 down tile [K, BLOCK_H, BLOCK_I] -> fp32; FP8's scales are folded
-    into the activations instead (one per slot and tile). int4 goes by `_int4_down_step`."""
+    """A loaded bf16 or FP8 down tile [K, BLOCK_H, columns] -> fp32; FP8's scales are folded
+    into the activations instead (per slot and column). int4 goes by `_int4_down_step`."""
     # One return: compiled Triton needs every return of a function to have one type, even in
     # branches a constexpr rules out.
     if FORMAT == 1:
@@ -235,9 +235,9 @@ def _int4_down_step(w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.c
     lies within one group, else [K, BLOCK_H, C].
 
     Plane j (value j of every word) holds columns 8c + j, so it meets the slots' activations of
-    those columns, loaded strided (they come from L1) and times the routing weight in fp32: a
-    [K, C] tile. No word is expanded to its eight columns, and the scale multiplies the sum of
-    a word's eight products once."""
+    those columns, loaded strided (they come from L1) and times the routing weight and
+    `int4_plane_scale(j)` in fp32: a [K, C] tile. No word is expanded to its eight columns, and
+    the scale multiplies the sum of a word's eight products once."""
     part = tl.zeros(w.shape, dtype=tl.float32)
     upper = int4_upper_half(w)
     for j in tl.static_range(8):
@@ -257,7 +257,9 @@ def _int4_step_scales(
 ):
     """The scales of an int4 down step of STEP_COLS columns from i0, `cols` (8c) its words'
     first columns; s_ptrs [K, BLOCK_H] point at each row's scales. One per row where the step
-    lies within a group (the loop's steps), else one per word (a preload wider than a group)."""
+    lies within a group (the loop's steps: i0 is a multiple of a step that divides the group),
+    else one per word (a preload wider than a group)."""
+    tl.static_assert(STEP_COLS > SCALE_COLS or SCALE_COLS % STEP_COLS == 0)
     if STEP_COLS <= SCALE_COLS:
         scales = tl.load(s_ptrs + i0 // SCALE_COLS, mask=mask_kh, other=0.0).to(tl.float32)
         scales = scales[:, :, None]
@@ -385,16 +387,16 @@ def _down_kernel(
         tl.extra.cuda.gdc_wait()
     # int4: a column per word, the sum over its eight values being formed in the step.
     acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
-    acc_rows = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+    acc_preload = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
     if PRELOAD > 0:
         part = _down_part(
             w_pre, 0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
             PRELOAD, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_PRELOAD,
         )  # fmt: skip
-        if PRELOAD == BLOCK_I:
+        if PRELOAD == BLOCK_I:  # the loop's shape: summed in the same order as a loop step
             acc += part
         else:
-            acc_rows += tl.sum(part, axis=2)
+            acc_preload += tl.sum(part, axis=2)
     w_ptrs += PRELOAD // PER_ITEM + offs_c[None, None, :]
     for i0 in range(PRELOAD, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
@@ -408,18 +410,21 @@ def _down_kernel(
         )  # fmt: skip
         w_ptrs += BLOCK_I // PER_ITEM
 
-    y = tl.sum(tl.sum(acc, axis=2) + acc_rows, axis=0)
+    y = tl.sum(tl.sum(acc, axis=2) + acc_preload, axis=0)
     tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
-def preload_cols(preload, block_i: int, inter: int) -> int:
+def preload_cols(preload, block_i: int, inter: int, tile_rows: int, per_item: int) -> int:
     """Columns of down rows kernel 2 loads before its PDL wait: cfg "preload" True is the first
-    step's (block_i), a number that many columns, rounded to a power of two between block_i and
-    the whole row; 0 for none."""
+    step's (block_i), a number that many columns rounded up to a power of two, at least block_i
+    and at most the row's power of two (the columns past the row masked) or what keeps the
+    preloaded tile (tile_rows = k_pad * block_h rows, per_item columns an item) within
+    DOWN_TILE_BUDGET; 0 for none."""
     if not preload:
         return 0
     cols = block_i if preload is True else next_pow2(int(preload))
-    return max(block_i, min(cols, next_pow2(inter)))
+    budget = 1 << max(0, (DOWN_TILE_BUDGET * per_item // tile_rows).bit_length() - 1)
+    return max(block_i, min(cols, next_pow2(inter), budget))
 
 
 DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
@@ -578,7 +583,11 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
     line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
     prefetch = pdl and routing_ready and cfg.get("prefetch") and w.format == PLAIN
     prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if prefetch else 0
-    preload = preload_cols(cfg.get("preload"), block_i, inter) if routing_ready else 0
+    preload = (
+        preload_cols(cfg.get("preload"), block_i, inter, k_pad * block_h, w.per_item)
+        if routing_ready
+        else 0
+    )
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act,
         w.stored,
@@ -609,7 +618,7 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
         PREFETCH_LINES=prefetch_lines,
         LINE_ELEMS=line_elems,
         PRELOAD=preload,
-        EVEN_PRELOAD=preload > 0 and inter % preload == 0,
+        EVEN_PRELOAD=0 < preload <= inter,
         ROUTING_READY=routing_ready or not pdl,
         **_launch_opts(cfg, pdl),
     )

@@ -47,6 +47,8 @@ if has fit; then
 fi
 if has latency; then
     if ! "$PYTHON" -c "import pygls, lsprotocol, tree_sitter_language_pack" 2>/dev/null; then
+        ls .whl/*.whl > /dev/null 2>&1 \
+            || { echo "no language-server wheels in .whl/: run tests/latency/gpu_wheels.sh" >&2; exit 1; }
         site=$(mktemp -d /tmp/wd-site-XXXXXX)
         "$PYTHON" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
         export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -91,10 +91,11 @@ def test_warp_decode_overlap_config_falls_back_without_pdl():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("preload", [True, 64, 4096], ids=["first-step", "two-steps", "whole-row"])
+@pytest.mark.parametrize("preload", [True, 32, 4096], ids=["first-step", "two-steps", "whole-row"])
 def test_warp_decode_preloaded_columns(shape, preload):
-    # Down rows loaded ahead of the (PDL) wait: the first step's columns, two steps' (the loop
-    # goes on from the third), or the whole row (ragged: masked past its end; no loop).
+    # Down rows loaded ahead of the (PDL) wait: the first step's columns (16), two steps' (the
+    # loop goes on from the third where the row is longer: inter 48, 40 with a ragged last
+    # step), or the whole row (ragged: masked past its end; no loop).
     layer = make_layer(*shape, seed=hash(shape) % 1000 + 5)
     cfg = {
         "gate_up": WARP_SMALL["gate_up"],

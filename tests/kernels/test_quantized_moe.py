@@ -24,7 +24,8 @@ SMALL = {
     "down": {"BLOCK_H": 16, "BLOCK_I": 32, "num_warps": 4},
 }
 PRELOAD = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": True}}
-# Two steps' columns before the wait: over several FP8 blocks or int4 groups, a scale per word.
+# 64 columns before the wait, over several FP8 blocks (a scale per column) or int4 groups (a
+# scale per word): the whole row where it is no longer, else the loop goes on after them.
 PRELOAD_WIDE = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": 64}}
 
 
@@ -46,6 +47,8 @@ CASES = [
     (1, 64, 64, 8, 2, "int4", 32),
     (4, 80, 48, 6, 3, "int4", 16),
     (2, 64, 48, 4, 1, "int4", 16),
+    (3, 72, 160, 8, 3, "fp8", 32),  # longer rows: the loop runs after a wide preload
+    (3, 96, 160, 8, 3, "int4", 32),
 ]
 
 
@@ -68,9 +71,11 @@ def relative_error(y, ref) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-# int4 tiles stay within a group along the input columns, so raggedness is in the rows: row
-# blocks past the size (a ragged last block, after full ones), and padded top-k slots (3 -> 4).
-# Column steps: one per group, or several (groups of 128, steps of 64 or fewer).
+# The loop's int4 steps stay within a group along the input columns, so raggedness is in the
+# rows: row blocks past the size (a ragged last block, after full ones), and padded top-k slots
+# (3 -> 4). Column steps: one per group, or several (groups of 128, steps of 64 or fewer). A
+# preload wider than a group (64 columns over groups of 32, then three loop steps; or the whole
+# row, masked past its end) takes a scale per word.
 ROWS_64 = {
     "gate_up": {"BLOCK_I": 64, "BLOCK_H": 64, "num_warps": 4},
     "down": {"BLOCK_H": 64, "BLOCK_I": 128, "num_warps": 4},
@@ -92,12 +97,14 @@ INT4_CASES = [
     "case", INT4_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-rows{c[6]['down']['BLOCK_H']}"
 )
 @pytest.mark.parametrize(
-    "preload", [False, True, 1024], ids=["plain", "preload", "preload-whole-row"]
+    "preload",
+    [False, True, 64, 1024],
+    ids=["plain", "preload", "preload-two-groups", "preload-whole-row"],
 )
 def test_int4_warp_decode_by_planes(case, preload):
     """The int4 pair reads each word as eight planes of values (kernels.quant_tiles.int4_plane)
-    against strided activations, the group's scale applied once per step: the float64 answer
-    on the dequantized weights, up to bf16 rounding."""
+    against strided activations, a word's scale applied once to its eight products: the float64
+    answer on the dequantized weights, up to bf16 rounding."""
     tokens, hidden, inter, experts, top_k, group, config = case
     config = {"gate_up": config["gate_up"], "down": {**config["down"], "preload": preload}}
     layer = quantized_moe_layer(tokens, hidden, inter, experts, top_k, "int4", group, seed=group)
