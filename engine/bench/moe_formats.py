@@ -16,6 +16,7 @@ and the formats' crossover entries, which the dispatcher reads.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -109,20 +110,27 @@ def warp_candidates():
         }
 
 
+# A candidate whose output is further than this from float64 is wrong, not slow: bf16 rounding
+# of the output gives about 2e-3 (BENCHMARKS.md, "MoE layer").
+MAX_CANDIDATE_ERROR = 1e-2
+
+
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     best = {}
     for batch in TUNE_BATCHES:
         timed = []
         for cfg in warp_candidates():
+            run = functools.partial(warp_decode_moe, config=cfg)
             try:
-                us = graph_time_us(
-                    lambda c=cfg, xs=inputs[batch]: [warp_decode_moe(*a, config=c) for a in xs],
-                    replays,
-                ) / len(inputs[batch])
+                err = error(run, inputs[batch][0])
+                us = graph_time_us(lambda f=run, xs=inputs[batch]: [f(*a) for a in xs], replays)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
                 log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
                 continue
-            timed.append((us, cfg))
+            if not err <= MAX_CANDIDATE_ERROR:
+                log(f"  {layers.fmt} B={batch} {cfg}: error {err:.2e} against float64, left out")
+                continue
+            timed.append((us / len(inputs[batch]), cfg))
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
