@@ -372,7 +372,7 @@ def _down_kernel(
             + rows[None, :, None] * stride_wh
             + lines[None, None, :] * LINE_ELEMS
         )
-    w_ptrs = w_ptr + experts[:, None, None] * stride_we + offs_h[None, :, None] * stride_wh
+    row_ptrs = w_ptr + experts[:, None, None] * stride_we + offs_h[None, :, None] * stride_wh
     if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; scales go into the activations
         s_ptrs = s_ptr + experts * stride_se + (pid_h * BLOCK_H // SCALE_ROWS) * stride_sh
     else:  # int4: a scale per slot, row and group
@@ -382,7 +382,7 @@ def _down_kernel(
     if PRELOAD > 0:  # the first PRELOAD columns of down rows need only the routing: load them now
         offs_p = tl.arange(0, PRELOAD // PER_ITEM)
         mask_p = mask_kh[:, :, None] & (offs_p * PER_ITEM < inter)[None, None, :]
-        w_pre = tl.load(w_ptrs + offs_p[None, None, :], mask=mask_p, other=0)
+        w_pre = tl.load(row_ptrs + offs_p[None, None, :], mask=mask_p, other=0)
     if PDL and ROUTING_READY:  # kernel 1's activations are visible after this
         tl.extra.cuda.gdc_wait()
     # int4: a column per word, the sum over its eight values being formed in the step.
@@ -397,7 +397,7 @@ def _down_kernel(
             acc += part
         else:
             acc_preload += tl.sum(part, axis=2)
-    w_ptrs += PRELOAD // PER_ITEM + offs_c[None, None, :]
+    w_ptrs = row_ptrs + (PRELOAD // PER_ITEM + offs_c)[None, None, :]  # the loop's first step
     for i0 in range(PRELOAD, inter, BLOCK_I):
         if EVEN_K and EVEN_H and EVEN_I:
             w = tl.load(w_ptrs)
