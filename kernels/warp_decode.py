@@ -130,6 +130,7 @@ def _gate_up_silu_kernel(
     LINE_ELEMS: tl.constexpr,
     EVICT: tl.constexpr,
     PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
         tl.extra.cuda.gdc_launch_dependents()
@@ -160,7 +161,7 @@ def _gate_up_silu_kernel(
     # column per word, the sum over its eight values being formed in the step).
     acc_gate = tl.zeros([BLOCK_I, BLOCK_H // PER_ITEM], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_I, BLOCK_H // PER_ITEM], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in tl.range(0, hidden, BLOCK_H, num_stages=LOOP_STAGES):
         if EVEN_H:
             if FORMAT != 2:  # int4 reads x plane by plane (_int4_gate_up_sums)
                 xv = tl.load(x_ptrs).to(tl.float32)
@@ -343,6 +344,7 @@ def _down_kernel(
     PRELOAD: tl.constexpr,
     EVEN_PRELOAD: tl.constexpr,
     ROUTING_READY: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     launch_dependents(PDL)  # the next kernel of a PDL chain may start during this one's tail
     if not ROUTING_READY:
@@ -398,7 +400,7 @@ def _down_kernel(
         else:
             acc_preload += tl.sum(part, axis=2)
     w_ptrs = row_ptrs + (PRELOAD // PER_ITEM + offs_c)[None, None, :]  # the loop's first step
-    for i0 in range(PRELOAD, inter, BLOCK_I):
+    for i0 in tl.range(PRELOAD, inter, BLOCK_I, num_stages=LOOP_STAGES):
         if EVEN_K and EVEN_H and EVEN_I:
             w = tl.load(w_ptrs)
         else:
@@ -427,6 +429,10 @@ def preload_cols(preload, block_i: int, inter: int, tile_rows: int, per_item: in
     return max(block_i, min(cols, next_pow2(inter), budget))
 
 
+# "loop_stages": how many steps of a kernel's loop have their weights in flight at once (Triton's
+# per-loop pipelining: the loads of later steps are issued as async copies to shared memory while
+# this step computes). 1 is no pipelining. Triton 3.6 pipelines the FP8 and int4 loads; it leaves
+# bf16's as they are (tests/kernels/test_kernels_compile_for_hopper.py).
 DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
 # "pdl": overlap with kernel 1 where supported; "prefetch": L2 prefetch of the down rows first;
 # "preload": down rows loaded into registers before waiting for kernel 1 (True: the first step's
@@ -546,6 +552,7 @@ def gate_up_silu(
         LINE_ELEMS=line_elems,
         EVICT="evict_first" if prefetch else "",
         PDL=pdl,
+        LOOP_STAGES=cfg.get("loop_stages", 1),
         **_launch_opts(cfg, pdl),
     )
     return act
@@ -620,6 +627,7 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
         PRELOAD=preload,
         EVEN_PRELOAD=0 < preload <= inter,
         ROUTING_READY=routing_ready or not pdl,
+        LOOP_STAGES=cfg.get("loop_stages", 1),
         **_launch_opts(cfg, pdl),
     )
     return y

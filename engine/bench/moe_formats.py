@@ -115,33 +115,71 @@ def warp_candidates():
 MAX_CANDIDATE_ERROR = 1e-2
 
 
+# Loop pipelining depths (config "loop_stages") swept for the fastest first-round candidates.
+LOOP_STAGES = (1, 2, 3, 4)
+STAGED_CANDIDATES = 3
+
+
+def with_loop_stages(cfg: dict):
+    """cfg with each kernel's loop pipelined to every depth of LOOP_STAGES but cfg's own."""
+    for g, d in itertools.product(LOOP_STAGES, LOOP_STAGES):
+        staged = {
+            "gate_up": dict(cfg["gate_up"], loop_stages=g),
+            "down": dict(cfg["down"], loop_stages=d),
+        }
+        if staged != cfg and (g, d) != (1, 1):
+            yield staged
+
+
+def time_candidates(layers: Layers, inputs: list, candidates, replays: int, log) -> list:
+    """(µs per layer, cfg) of each candidate that compiles and is right, the fastest first."""
+    timed = []
+    for cfg in candidates:
+        run = functools.partial(warp_decode_moe, config=cfg)
+        try:
+            err = error(run, inputs[0])
+            us = graph_time_us(lambda f=run, xs=inputs: [f(*a) for a in xs], replays)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+            log(f"  {layers.fmt} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            continue
+        if not err <= MAX_CANDIDATE_ERROR:
+            log(f"  {layers.fmt} {cfg}: error {err:.2e} against float64, left out")
+            continue
+        timed.append((us / len(inputs), cfg))
+    return sorted(timed, key=lambda t: t[0])
+
+
+def best_by(timed: list, key) -> dict:
+    best = {}
+    for t, c in timed:
+        best[key(c)] = min(best.get(key(c), t), t)
+    return {k: round(v, 1) for k, v in best.items()}
+
+
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
+    """Per batch: every warp_candidates() config, then the fastest few with their loops
+    pipelined to each depth."""
     best = {}
     for batch in TUNE_BATCHES:
-        timed = []
-        for cfg in warp_candidates():
-            run = functools.partial(warp_decode_moe, config=cfg)
-            try:
-                err = error(run, inputs[batch][0])
-                us = graph_time_us(lambda f=run, xs=inputs[batch]: [f(*a) for a in xs], replays)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-                log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
-                continue
-            if not err <= MAX_CANDIDATE_ERROR:
-                log(f"  {layers.fmt} B={batch} {cfg}: error {err:.2e} against float64, left out")
-                continue
-            timed.append((us / len(inputs[batch]), cfg))
+        timed = time_candidates(layers, inputs[batch], warp_candidates(), replays, log)
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
-        by_preload = {}
-        for t, c in timed:
-            key = str(c["down"].get("preload"))
-            by_preload[key] = min(by_preload.get(key, t), t)
-        us, cfg = min(timed, key=lambda t: t[0])
+        staged = [s for _, c in timed[:STAGED_CANDIDATES] for s in with_loop_stages(c)]
+        timed = sorted(
+            timed + time_candidates(layers, inputs[batch], staged, replays, log),
+            key=lambda t: t[0],
+        )
+        us, cfg = timed[0]
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
-        log(f"  best per down preload, {layers.fmt} B={batch}: {by_preload}")
+        preloads = best_by(timed, lambda c: str(c["down"].get("preload")))
+        log(f"  best per down preload, {layers.fmt} B={batch}: {preloads}")
+        stages = best_by(
+            timed,
+            lambda c: f"{c['gate_up'].get('loop_stages', 1)},{c['down'].get('loop_stages', 1)}",
+        )
+        log(f"  best per loop stages (gate/up, down), {layers.fmt} B={batch}: {stages}")
     return best
 
 

@@ -38,20 +38,20 @@ def compile_int4(kernel: str, pointers: dict, constants: dict) -> str:
     )
 
 
-def gate_up_ptx(even: bool, block_h: int) -> str:
+def gate_up_ptx(even: bool, block_h: int, stages: int = 1) -> str:
     pointers = dict(x_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", out_ptr="bf16")
     pointers.update(wdown_ptr="i32")
     constants = dict(BLOCK_I=16, BLOCK_H=block_h, EVEN_I=even, EVEN_H=even, LAUNCH_DEPS=True)
-    constants.update(DOWN_LINES=0, LINE_ELEMS=64, EVICT="", PDL=True)
+    constants.update(DOWN_LINES=0, LINE_ELEMS=64, EVICT="", PDL=True, LOOP_STAGES=stages)
     return compile_int4("_gate_up_silu_kernel", pointers, constants)
 
 
-def down_ptx(k_pad: int, even: bool, preload: int, routing_ready: bool) -> str:
+def down_ptx(k_pad: int, even: bool, preload: int, routing_ready: bool, stages: int = 1) -> str:
     pointers = dict(act_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", y_ptr="bf16")
     pointers.update(weights_ptr="fp32")
     constants = dict(K_PAD=k_pad, BLOCK_H=8, BLOCK_I=128, EVEN_K=even, EVEN_H=even, EVEN_I=even)
     constants.update(PDL=True, PREFETCH_LINES=0, LINE_ELEMS=64, PRELOAD=preload)
-    constants.update(ROUTING_READY=routing_ready, EVEN_PRELOAD=even)
+    constants.update(ROUTING_READY=routing_ready, EVEN_PRELOAD=even, LOOP_STAGES=stages)
     return compile_int4("_down_kernel", pointers, constants)
 
 
@@ -63,21 +63,25 @@ def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "compiling needs Triton's JIT"
     n_gate_up = n_down = 0
     for even in (True, False):
-        for block_h in (64, 128):
-            ptx = gate_up_ptx(even, block_h)
+        # Pipelined loops (loop_stages 3) in the ragged variants too: their async copies are masked.
+        for block_h, stages in ((64, 1), (128, 3)):
+            ptx = gate_up_ptx(even, block_h, stages)
             assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
-            assert "ld.global" not in before_wait(ptx)
+            assert "ld.global" not in before_wait(ptx) and "cp.async" not in before_wait(ptx)
+            assert ("cp.async" in ptx) == (stages > 1)
             n_gate_up += 1
-        for k_pad in (1, 8):
+        for k_pad, stages in ((1, 1), (8, 3)):
             early_words = {}
             for preload, routing_ready in ((512, True), (128, True), (0, True), (0, False)):
-                ptx = down_ptx(k_pad, even, preload, routing_ready)
+                ptx = down_ptx(k_pad, even, preload, routing_ready, stages)
                 assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
                 early = before_wait(ptx)
                 assert not LOAD_16.search(early), "activations read before the wait"
+                assert "cp.async" not in early, "the loop's copies start after the wait"
                 early_words[preload, routing_ready] = len(LOAD_32.findall(early))
                 if not routing_ready:
                     assert "ld.global" not in early, "a load before the wait races the router"
+                assert ("cp.async" in ptx) == (stages > 1)
                 n_down += 1
             # The routing weights are 32-bit loads before the wait either way: preloading must add
             # the first step's words to them, and four steps' more.

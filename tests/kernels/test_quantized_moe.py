@@ -27,6 +27,11 @@ PRELOAD = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": Tru
 # 64 columns before the wait, over several FP8 blocks (a scale per column) or int4 groups (a
 # scale per word): the whole row where it is no longer, else the loop goes on after them.
 PRELOAD_WIDE = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": 64}}
+# Both loops pipelined three steps deep (on the GPU: async copies of the later steps' weights).
+PIPELINED = {
+    "gate_up": {**SMALL["gate_up"], "loop_stages": 3},
+    "down": {**SMALL["down"], "preload": True, "loop_stages": 3},
+}
 
 
 def float64_reference(x, w_gate_up, w_down, ids, weights):
@@ -54,7 +59,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize(
-    "config", [SMALL, PRELOAD, PRELOAD_WIDE], ids=["plain", "preload", "preload-wide"]
+    "config",
+    [SMALL, PRELOAD, PRELOAD_WIDE, PIPELINED],
+    ids=["plain", "preload", "preload-wide", "pipelined"],
 )
 def test_warp_decode_reads_quantized_weights(case, config):
     tokens, hidden, inter, experts, top_k, fmt, size = case
