@@ -431,8 +431,7 @@ def preload_cols(preload, block_i: int, inter: int, tile_rows: int, per_item: in
 
 # "loop_stages": how many steps of a kernel's loop have their weights in flight at once (Triton's
 # per-loop pipelining: the loads of later steps are issued as async copies to shared memory while
-# this step computes). 1 is no pipelining. Triton 3.6 pipelines the FP8 and int4 loads; it leaves
-# bf16's as they are (tests/kernels/test_kernels_compile_for_hopper.py).
+# this step computes). 1 is no pipelining: a program then waits for each step's loads in turn.
 DEFAULT_GATE_UP = {"BLOCK_I": 16, "BLOCK_H": 256, "num_warps": 4}
 # "pdl": overlap with kernel 1 where supported; "prefetch": L2 prefetch of the down rows first;
 # "preload": down rows loaded into registers before waiting for kernel 1 (True: the first step's

@@ -9,8 +9,10 @@ L2 cannot help. Per format and batch: the floor (the bytes of the distinct exper
 stored, over the measured read bandwidth), warp decode, the expert-centric path and the
 dispatcher, µs per layer under CUDA graphs (best of two medians), and each path's error against
 a float64 reference on the dequantized weights. `--tune` first sweeps warp decode's tiles per
-quantized format at small batches and writes `kernels/configs/warp_decode_{fp8,int4}_*.json`
-and the formats' crossover entries, which the dispatcher reads.
+format at small batches, the stored config among them, and writes them into
+`kernels/configs/warp_decode[_fp8|_int4]_*.json` (other batches' entries kept), and the quantized
+formats' crossover entries, which the dispatcher reads (bf16's come from kernels.bench.tune_moe,
+which times every batch).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kernels import dispatch, reference, tuned
 from kernels.bench.gpu_timing import graph_time_us, read_bandwidth
 from kernels.fused_moe import fused_moe
 from kernels.quant import dequantize, nbytes
-from kernels.warp_decode import warp_decode_moe
+from kernels.warp_decode import default_configs, warp_decode_moe
 
 SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 FORMATS = ("bf16", "fp8", "int4")
@@ -157,11 +159,14 @@ def best_by(timed: list, key) -> dict:
 
 
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
-    """Per batch: every warp_candidates() config, then the fastest few with their loops
-    pipelined to each depth."""
+    """Per batch: the stored config and every warp_candidates() config, then the fastest few
+    with their loops pipelined to each depth."""
     best = {}
+    h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
     for batch in TUNE_BATCHES:
-        timed = time_candidates(layers, inputs[batch], warp_candidates(), replays, log)
+        stored = default_configs(batch, h, i, e, k, layers.fmt)
+        candidates = [stored] + [c for c in warp_candidates() if c != stored]
+        timed = time_candidates(layers, inputs[batch], candidates, replays, log)
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
@@ -183,6 +188,19 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     return best
 
 
+def save_tuned(fmt: str, best: dict, device: str) -> None:
+    """The tuned batches' configs into the format's table; other batches' entries stay."""
+    if not best:
+        return
+    h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
+    name = tuned.shape_name("warp_decode" if fmt == "bf16" else f"warp_decode_{fmt}", h, i, e, k)
+    table = dict(tuned.load(name) or {}, device=device)
+    for kernel in ("gate_up", "down"):
+        table[kernel] = dict(table.get(kernel, {}))
+        table[kernel].update({str(b): c[kernel] for b, c in best.items()})
+    tuned.save(name, table)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=6)
@@ -202,22 +220,12 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     log(f"{device}; read bandwidth {bandwidth / 1e12:.2f} TB/s; shape {SHAPE}")
     result = {"device": device, "shape": SHAPE, "bandwidth": bandwidth, "rows": []}
-    h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
+    e, k = SHAPE["experts"], SHAPE["top_k"]
     for fmt in args.formats.split(","):
         layers = Layers(args.layers, fmt)
         inputs = {b: layers.inputs(b, seed=100 + b) for b in batches}
-        if args.tune and fmt != "bf16":
-            best = tune_warp(layers, inputs, args.replays, log)
-        if args.tune and fmt != "bf16" and best:
-            name = tuned.shape_name(f"warp_decode_{fmt}", h, i, e, k)
-            tuned.save(
-                name,
-                {
-                    "device": device,
-                    "gate_up": {str(b): c["gate_up"] for b, c in best.items()},
-                    "down": {str(b): c["down"] for b, c in best.items()},
-                },
-            )
+        if args.tune:
+            save_tuned(fmt, tune_warp(layers, inputs, args.replays, log), device)
         rows = []
         for batch in batches:
             distinct = sum(int(torch.unique(a[3]).numel()) for a in inputs[batch]) / layers.n

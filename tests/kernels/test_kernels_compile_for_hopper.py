@@ -30,9 +30,13 @@ FORMAT_CONSTS = {
 }
 
 
-def compile_for_hopper(kernel, pointers: dict, constants: dict, scalars=None, **options):
+def compile_for_hopper(
+    kernel, pointers: dict, constants: dict, scalars=None, divisible=(), **options
+):
     """PTX of `kernel` with these pointer element types, constexprs and scalar types (`scalars`,
-    e.g. an fp32 eps); other args are i32."""
+    e.g. an fp32 eps); other args are i32. `divisible`: integer args known to be multiples of 16,
+    as Triton's JIT specializes them at a launch (strides of contiguous tensors): what lets it
+    vectorize and pipeline loads."""
     scalars = scalars or {}
     signature = {}
     for name in kernel.arg_names:
@@ -42,7 +46,9 @@ def compile_for_hopper(kernel, pointers: dict, constants: dict, scalars=None, **
             signature[name] = "*" + pointers[name]
         else:
             signature[name] = scalars.get(name, "i32")
-    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    aligned = {
+        (kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)
+    }
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, aligned), target=HOPPER, options=options
     )
@@ -96,6 +102,7 @@ def warp_decode_compiles(fmt):
                 LOOP_STAGES=3,
                 **FORMAT_CONSTS[fmt],
             ),
+            divisible=("hidden", "inter", "stride_xt", "stride_we", "stride_wn", "stride_wde"),
             num_warps=4,
             launch_pdl=True,
         )
@@ -129,14 +136,15 @@ def warp_decode_compiles(fmt):
                     LOOP_STAGES=3,
                     **FORMAT_CONSTS[fmt],
                 ),
+                divisible=("hidden", "inter", "stride_we", "stride_wh", "stride_yt"),
                 num_warps=4,
                 launch_pdl=True,
             )
             assert "griddepcontrol.wait" in down and "griddepcontrol" in gate_up
-            # Quantized weights of later loop steps are in flight as async copies (loop_stages);
-            # Triton 3.6 does not pipeline the bf16 loads.
-            pipelined = fmt != PLAIN
-            assert ("cp.async" in gate_up) == pipelined and ("cp.async" in down) == pipelined
+            # Later loop steps' weights are in flight as async copies (loop_stages), and the
+            # weights come in 16-byte vectors where the strides allow (int4 words: 4 bytes).
+            assert "cp.async.cg.shared.global" in gate_up + down
+            assert "cp.async" in gate_up and "cp.async" in down
             if not routing_ready:
                 assert down.index("griddepcontrol.wait") < down.index("ld.global"), (
                     "a load before the wait races the router"
