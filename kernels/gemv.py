@@ -24,12 +24,12 @@ serves every launch and every CUDA-graph replay.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import sm_count, zeroed_counters
 from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.quant import (
     Weight,
@@ -341,6 +341,8 @@ class _Tiles:
 # Enough programs to keep every SM streaming: a few per SM (BENCHMARKS.md, "Splitting K in the
 # skinny GEMV": the default tile with this split, against the same tile unsplit and the sweep).
 PROGRAMS_PER_SM = 4
+# The split-K arrival counters, one per output stripe (the last part resets its stripe's).
+COUNTERS_USER = "gemv split-K"
 
 
 def default_split_k(n_stripes: int, k_steps: int, device: torch.device) -> int:
@@ -349,30 +351,8 @@ def default_split_k(n_stripes: int, k_steps: int, device: torch.device) -> int:
     each part keeping at least two K steps."""
     if device.type != "cuda" or interpreting():
         return 1
-    target = PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    target = PROGRAMS_PER_SM * sm_count(device.index or 0)
     return max(1, min(-(-target // n_stripes), k_steps // 2))
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The split-K arrival counters, one per output stripe: zero between launches (the last part
-    resets its stripe's), so one buffer per device serves every launch. Grown outside a CUDA
-    graph's capture: the step's warm-up runs first."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < needed:
-        if counters is not None:  # a graph captured earlier keeps its address: kept alive
-            _OUTGROWN.append(counters)
-        counters = torch.zeros(max(needed, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
@@ -389,7 +369,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
     split_k = triton.cdiv(k_in, k_part)  # no empty part
     if split_k > 1:
         partials = torch.empty(split_k, n_rows, n_out, dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, n_stripes)
+        counters = zeroed_counters(x.device, n_stripes, COUNTERS_USER)
     else:
         partials = counters = x  # placeholders, unused
     x = x.contiguous()

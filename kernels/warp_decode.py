@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuned
+from kernels.counters import sm_count, zeroed_counters
 from kernels.moe_inputs import moe_inputs
 from kernels.pdl import launch_dependents, pdl_supported, wait
 from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
@@ -98,15 +99,15 @@ def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
     return gate_q, up_q
 
 
-@triton.jit(do_not_specialize=["n_slots"])
-def _gate_up_silu_kernel(
+@triton.jit
+def _gate_up_item(
     x_ptr,
     w_ptr,
     s_ptr,
     ids_ptr,
     out_ptr,
-    wdown_ptr,
-    n_slots,
+    slot,
+    pid_i,
     hidden,
     inter,
     top_k,
@@ -115,8 +116,6 @@ def _gate_up_silu_kernel(
     stride_wn,
     stride_se,
     stride_sn,
-    stride_wde,
-    down_lines,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVEN_I: tl.constexpr,
@@ -125,18 +124,11 @@ def _gate_up_silu_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr,
-    DOWN_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
     EVICT: tl.constexpr,
-    PDL: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):
-    if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
-        tl.extra.cuda.gdc_launch_dependents()
-    wait(PDL)  # a link of the decode step's chain: the routing and x come from before
-    slot = tl.program_id(0)
-    pid_i = tl.program_id(1)
+    """One gate/up work item: silu(gate) * up of rows pid_i * BLOCK_I .. of routed slot `slot`'s
+    expert, over all of H, stored into out[slot]. Returns the expert."""
     token = slot // top_k
     expert = tl.load(ids_ptr + slot).to(tl.int64)
 
@@ -203,6 +195,53 @@ def _gate_up_silu_kernel(
     up_sum = tl.sum(acc_up, axis=1)
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * up_sum
     tl.store(out_ptr + slot * inter + offs_i, act.to(out_ptr.dtype.element_ty), mask=mask_i)
+    return expert
+
+
+@triton.jit(do_not_specialize=["n_slots"])
+def _gate_up_silu_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    out_ptr,
+    wdown_ptr,
+    n_slots,
+    hidden,
+    inter,
+    top_k,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_wde,
+    down_lines,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_I: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr,
+    DOWN_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    EVICT: tl.constexpr,
+    PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
+    if LAUNCH_DEPS:  # kernel 2 may be scheduled once every program here has started
+        tl.extra.cuda.gdc_launch_dependents()
+    wait(PDL)  # a link of the decode step's chain: the routing and x come from before
+    pid_i = tl.program_id(1)
+    expert = _gate_up_item(
+        x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, tl.program_id(0), pid_i, hidden, inter, top_k,
+        stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_I, BLOCK_H, EVEN_I, EVEN_H, FORMAT, SCALE_ROWS, SCALE_COLS, PER_ITEM, EVICT,
+        LOOP_STAGES,
+    )  # fmt: skip
     if DOWN_LINES > 0:
         # This program's share of the expert's down matrix, pulled into L2 (kept there) while
         # the rest of the launch streams gate/up, so kernel 2 reads it from L2.
@@ -229,7 +268,9 @@ def _down_tile(w, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _int4_down_step(w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.constexpr):
+def _int4_down_step(
+    w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.constexpr, ACT_CACHE: tl.constexpr
+):
     """One step of int4 down words w [K, BLOCK_H, C] -> its fp32 [K, BLOCK_H, C] share of the
     accumulator. `cols` [C] are the step's columns 8c; a_rows [K, 1] points at each slot's
     activation row; `scales` are each word's (row, group) scale, [K, BLOCK_H, 1] where the step
@@ -238,15 +279,18 @@ def _int4_down_step(w, scales, a_rows, cols, n_cols, mask_k, route_w, EVEN: tl.c
     Plane j (value j of every word) holds columns 8c + j, so it meets the slots' activations of
     those columns, loaded strided (they come from L1) and times the routing weight and
     `int4_plane_scale(j)` in fp32: a [K, C] tile. No word is expanded to its eight columns, and
-    the scale multiplies the sum of a word's eight products once."""
+    the scale multiplies the sum of a word's eight products once. ACT_CACHE: the activations'
+    cache modifier (".cg" where other SMs wrote them during this launch)."""
     part = tl.zeros(w.shape, dtype=tl.float32)
     upper = int4_upper_half(w)
     for j in tl.static_range(8):
         if EVEN:
-            a = tl.load(a_rows + (cols + j)[None, :])
+            a = tl.load(a_rows + (cols + j)[None, :], cache_modifier=ACT_CACHE)
         else:
             mask_a = mask_k[:, None] & (cols + j < n_cols)[None, :]
-            a = tl.load(a_rows + (cols + j)[None, :], mask=mask_a, other=0.0)
+            a = tl.load(
+                a_rows + (cols + j)[None, :], mask=mask_a, other=0.0, cache_modifier=ACT_CACHE
+            )
         a = a.to(tl.float32) * (route_w * int4_plane_scale(j))[:, None]
         part += int4_plane(w, upper, j) * a[:, None, :]
     return part * scales
@@ -287,6 +331,7 @@ def _down_part(
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
     EVEN: tl.constexpr,
+    ACT_CACHE: tl.constexpr,
 ):
     """The fp32 share [K, BLOCK_H, STEP / PER_ITEM] of down words or values w [K, BLOCK_H,
     STEP / PER_ITEM] loaded from columns i0 .. i0 + STEP - 1: the slots' activations of those
@@ -296,19 +341,141 @@ def _down_part(
     if FORMAT == 2:
         cols = i0 + 8 * offs
         scales = _int4_step_scales(s_ptrs, mask_kh, i0, cols, inter, STEP, SCALE_COLS)
-        part = _int4_down_step(w, scales, a_rows, cols, inter, mask_k, route_w, EVEN)
+        part = _int4_down_step(w, scales, a_rows, cols, inter, mask_k, route_w, EVEN, ACT_CACHE)
     else:
         cols = i0 + offs
         if EVEN:
-            a = tl.load(a_rows + cols[None, :])
+            a = tl.load(a_rows + cols[None, :], cache_modifier=ACT_CACHE)
         else:
             mask_a = mask_k[:, None] & (cols < inter)[None, :]
-            a = tl.load(a_rows + cols[None, :], mask=mask_a, other=0.0)
+            a = tl.load(a_rows + cols[None, :], mask=mask_a, other=0.0, cache_modifier=ACT_CACHE)
         a = a.to(tl.float32) * route_w[:, None]
         if FORMAT == 1:
             a = a * fp8_slot_column_scales(s_ptrs, i0, inter, K_PAD, STEP, SCALE_COLS)
         part = _down_tile(w, FORMAT) * a[:, None, :]
     return part
+
+
+# How a down item waits for its token's activations once its first weights are loaded.
+ACTS_READY = tl.constexpr(0)  # nothing to wait for (written before the launch)
+ACTS_PDL = tl.constexpr(1)  # the previous kernel of the PDL chain writes them: gdc_wait
+ACTS_COUNTED = tl.constexpr(2)  # written in this launch: spin until the token's items are counted
+
+
+@triton.jit
+def _await_count(counter_ptr, count):
+    """Spin until *counter_ptr reaches `count` (acquire: what was stored before each count is
+    visible after)."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    while seen < count:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _down_item(
+    act_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    weights_ptr,
+    y_ptr,
+    token,
+    pid_h,
+    hidden,
+    inter,
+    top_k,
+    stride_we,
+    stride_wh,
+    stride_se,
+    stride_sh,
+    stride_yt,
+    ready_ptr,
+    ready_count,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    EVEN_I: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    EVEN_PRELOAD: tl.constexpr,
+    ACTS: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
+    """One down work item: y[token, pid_h * BLOCK_H ..] = the sum over the token's slots of the
+    routing weight times those down rows of the slot's expert @ its activations. The first
+    PRELOAD columns' weights are loaded before the activations are awaited (ACTS; ACTS_COUNTED
+    spins until ready_ptr[token] reaches ready_count)."""
+    offs_k = tl.arange(0, K_PAD)
+    mask_k = offs_k < top_k
+    slots = token * top_k + offs_k
+    # Padded slots repeat the last real expert: harmless for the prefetch (same lines).
+    experts = tl.load(ids_ptr + token * top_k + tl.minimum(offs_k, top_k - 1)).to(tl.int64)
+    route_w = tl.load(weights_ptr + slots, mask=mask_k, other=0.0).to(tl.float32)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_I // PER_ITEM)  # stored items (int4: words) of a step
+    mask_h = offs_h < hidden
+    if PREFETCH_LINES > 0:
+        # The routing is complete before kernel 1 starts, so these rows are known now.
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES), (inter - 1) // LINE_ELEMS)
+        rows = tl.minimum(offs_h, hidden - 1)
+        _prefetch_l2(
+            w_ptr
+            + experts[:, None, None] * stride_we
+            + rows[None, :, None] * stride_wh
+            + lines[None, None, :] * LINE_ELEMS
+        )
+    row_ptrs = w_ptr + experts[:, None, None] * stride_we + offs_h[None, :, None] * stride_wh
+    if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; scales go into the activations
+        s_ptrs = s_ptr + experts * stride_se + (pid_h * BLOCK_H // SCALE_ROWS) * stride_sh
+    else:  # int4: a scale per slot, row and group
+        s_ptrs = s_ptr + experts[:, None] * stride_se + offs_h[None, :] * stride_sh
+    mask_kh = mask_k[:, None] & mask_h[None, :]
+    a_rows = act_ptr + slots[:, None] * inter
+    if PRELOAD > 0:  # the first PRELOAD columns of down rows need only the routing: load them now
+        offs_p = tl.arange(0, PRELOAD // PER_ITEM)
+        mask_p = mask_kh[:, :, None] & (offs_p * PER_ITEM < inter)[None, None, :]
+        w_pre = tl.load(row_ptrs + offs_p[None, None, :], mask=mask_p, other=0)
+    if ACTS == ACTS_PDL:  # kernel 1's activations are visible after this
+        tl.extra.cuda.gdc_wait()
+    if ACTS == ACTS_COUNTED:  # other programs of this launch are writing them
+        _await_count(ready_ptr + token, ready_count)
+    # Written by other SMs during this launch: read from L2, never from a stale L1 line.
+    ACT_CACHE: tl.constexpr = ".cg" if ACTS == ACTS_COUNTED else ""
+    # int4: a column per word, the sum over its eight values being formed in the step.
+    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
+    acc_preload = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+    if PRELOAD > 0:
+        part = _down_part(
+            w_pre, 0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
+            PRELOAD, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_PRELOAD, ACT_CACHE,
+        )  # fmt: skip
+        if PRELOAD == BLOCK_I:  # the loop's shape: summed in the same order as a loop step
+            acc += part
+        else:
+            acc_preload += tl.sum(part, axis=2)
+    w_ptrs = row_ptrs + (PRELOAD // PER_ITEM + offs_c)[None, None, :]  # the loop's first step
+    for i0 in tl.range(PRELOAD, inter, BLOCK_I, num_stages=LOOP_STAGES):
+        if EVEN_K and EVEN_H and EVEN_I:
+            w = tl.load(w_ptrs)
+        else:
+            mask_w = mask_kh[:, :, None] & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
+            w = tl.load(w_ptrs, mask=mask_w, other=0)
+        acc += _down_part(
+            w, i0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
+            BLOCK_I, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_I, ACT_CACHE,
+        )  # fmt: skip
+        w_ptrs += BLOCK_I // PER_ITEM
+
+    y = tl.sum(tl.sum(acc, axis=2) + acc_preload, axis=0)
+    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -351,69 +518,107 @@ def _down_kernel(
         # The router is a link of the chain too: kernel 1 may have started (and so this one)
         # before the routing was written. Nothing of it may be read before the wait.
         wait(PDL)
-    token = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    _down_item(
+        act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, y_ptr, tl.program_id(0), tl.program_id(1),
+        hidden, inter, top_k, stride_we, stride_wh, stride_se, stride_sh, stride_yt, y_ptr, 0,
+        K_PAD, BLOCK_H, BLOCK_I, EVEN_K, EVEN_H, EVEN_I, FORMAT, SCALE_ROWS, SCALE_COLS, PER_ITEM,
+        PREFETCH_LINES, LINE_ELEMS, PRELOAD, EVEN_PRELOAD,
+        ACTS_PDL if PDL and ROUTING_READY else ACTS_READY, LOOP_STAGES,
+    )  # fmt: skip
 
-    offs_k = tl.arange(0, K_PAD)
-    mask_k = offs_k < top_k
-    slots = token * top_k + offs_k
-    # Padded slots repeat the last real expert: harmless for the prefetch (same lines).
-    experts = tl.load(ids_ptr + token * top_k + tl.minimum(offs_k, top_k - 1)).to(tl.int64)
-    route_w = tl.load(weights_ptr + slots, mask=mask_k, other=0.0).to(tl.float32)
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_I // PER_ITEM)  # stored items (int4: words) of a step
-    mask_h = offs_h < hidden
-    if PREFETCH_LINES > 0:
-        # The routing is complete before kernel 1 starts, so these rows are known now.
-        lines = tl.minimum(tl.arange(0, PREFETCH_LINES), (inter - 1) // LINE_ELEMS)
-        rows = tl.minimum(offs_h, hidden - 1)
-        _prefetch_l2(
-            w_ptr
-            + experts[:, None, None] * stride_we
-            + rows[None, :, None] * stride_wh
-            + lines[None, None, :] * LINE_ELEMS
-        )
-    row_ptrs = w_ptr + experts[:, None, None] * stride_we + offs_h[None, :, None] * stride_wh
-    if FORMAT == 1:  # FP8: tiles never straddle two blocks' rows; scales go into the activations
-        s_ptrs = s_ptr + experts * stride_se + (pid_h * BLOCK_H // SCALE_ROWS) * stride_sh
-    else:  # int4: a scale per slot, row and group
-        s_ptrs = s_ptr + experts[:, None] * stride_se + offs_h[None, :] * stride_sh
-    mask_kh = mask_k[:, None] & mask_h[None, :]
-    a_rows = act_ptr + slots[:, None] * inter
-    if PRELOAD > 0:  # the first PRELOAD columns of down rows need only the routing: load them now
-        offs_p = tl.arange(0, PRELOAD // PER_ITEM)
-        mask_p = mask_kh[:, :, None] & (offs_p * PER_ITEM < inter)[None, None, :]
-        w_pre = tl.load(row_ptrs + offs_p[None, None, :], mask=mask_p, other=0)
-    if PDL and ROUTING_READY:  # kernel 1's activations are visible after this
-        tl.extra.cuda.gdc_wait()
-    # int4: a column per word, the sum over its eight values being formed in the step.
-    acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)
-    acc_preload = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
-    if PRELOAD > 0:
-        part = _down_part(
-            w_pre, 0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
-            PRELOAD, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_PRELOAD,
-        )  # fmt: skip
-        if PRELOAD == BLOCK_I:  # the loop's shape: summed in the same order as a loop step
-            acc += part
+@triton.jit(do_not_specialize=["n_tokens"])
+def _persistent_kernel(
+    x_ptr,
+    gu_ptr,
+    gu_s_ptr,
+    ids_ptr,
+    weights_ptr,
+    act_ptr,
+    dn_ptr,
+    dn_s_ptr,
+    y_ptr,
+    counters_ptr,
+    n_tokens,
+    hidden,
+    inter,
+    top_k,
+    n_i,
+    n_h,
+    stride_xt,
+    stride_gue,
+    stride_gun,
+    stride_guse,
+    stride_gusn,
+    stride_dne,
+    stride_dnh,
+    stride_dnse,
+    stride_dnsh,
+    stride_yt,
+    G_BLOCK_I: tl.constexpr,
+    G_BLOCK_H: tl.constexpr,
+    G_EVEN_I: tl.constexpr,
+    G_EVEN_H: tl.constexpr,
+    G_SCALE_ROWS: tl.constexpr,
+    G_SCALE_COLS: tl.constexpr,
+    G_STAGES: tl.constexpr,
+    K_PAD: tl.constexpr,
+    D_BLOCK_H: tl.constexpr,
+    D_BLOCK_I: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    D_EVEN_H: tl.constexpr,
+    D_EVEN_I: tl.constexpr,
+    D_SCALE_ROWS: tl.constexpr,
+    D_SCALE_COLS: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    EVEN_PRELOAD: tl.constexpr,
+    D_STAGES: tl.constexpr,
+    FORMAT: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Both kernels' work items from one launch of a few programs per SM, each taking tickets
+    in order: every gate/up item (slot-major), then every down item (token-major). A down item
+    loads its first weights, then waits until its token's gate/up items are counted done; those
+    items hold lower tickets, so programs that are running hold them and no wait can deadlock.
+    One ramp and one tail a layer instead of two. counters_ptr: [next ticket, programs done,
+    done gate/up items per token], zero at launch and left at zero."""
+    launch_dependents(PDL)
+    wait(PDL)  # x and the routing come from before (and so does the counters' reset)
+    n_gate = n_tokens * top_k * n_i
+    n_items = n_gate + n_tokens * n_h
+    done_ptr = counters_ptr + 2
+    ticket = tl.atomic_add(counters_ptr, 1)
+    while ticket < n_items:
+        if ticket < n_gate:
+            slot = ticket // n_i
+            _gate_up_item(
+                x_ptr, gu_ptr, gu_s_ptr, ids_ptr, act_ptr, slot, ticket % n_i, hidden, inter,
+                top_k, stride_xt, stride_gue, stride_gun, stride_guse, stride_gusn,
+                G_BLOCK_I, G_BLOCK_H, G_EVEN_I, G_EVEN_H, FORMAT, G_SCALE_ROWS, G_SCALE_COLS,
+                PER_ITEM, "", G_STAGES,
+            )  # fmt: skip
+            tl.debug_barrier()  # every thread's activations stored before the count says so
+            tl.atomic_add(done_ptr + slot // top_k, 1, sem="release")
         else:
-            acc_preload += tl.sum(part, axis=2)
-    w_ptrs = row_ptrs + (PRELOAD // PER_ITEM + offs_c)[None, None, :]  # the loop's first step
-    for i0 in tl.range(PRELOAD, inter, BLOCK_I, num_stages=LOOP_STAGES):
-        if EVEN_K and EVEN_H and EVEN_I:
-            w = tl.load(w_ptrs)
-        else:
-            mask_w = mask_kh[:, :, None] & ((i0 + offs_c * PER_ITEM) < inter)[None, None, :]
-            w = tl.load(w_ptrs, mask=mask_w, other=0)
-        acc += _down_part(
-            w, i0, a_rows, s_ptrs, mask_kh, mask_k, route_w, inter,
-            BLOCK_I, K_PAD, FORMAT, SCALE_COLS, PER_ITEM, EVEN_K and EVEN_I,
-        )  # fmt: skip
-        w_ptrs += BLOCK_I // PER_ITEM
-
-    y = tl.sum(tl.sum(acc, axis=2) + acc_preload, axis=0)
-    tl.store(y_ptr + token * stride_yt + offs_h, y.to(y_ptr.dtype.element_ty), mask=mask_h)
+            item = ticket - n_gate
+            _down_item(
+                act_ptr, dn_ptr, dn_s_ptr, ids_ptr, weights_ptr, y_ptr, item // n_h, item % n_h,
+                hidden, inter, top_k, stride_dne, stride_dnh, stride_dnse, stride_dnsh,
+                stride_yt, done_ptr, top_k * n_i, K_PAD, D_BLOCK_H, D_BLOCK_I, EVEN_K, D_EVEN_H,
+                D_EVEN_I, FORMAT, D_SCALE_ROWS, D_SCALE_COLS, PER_ITEM, 0, 1, PRELOAD,
+                EVEN_PRELOAD, ACTS_COUNTED, D_STAGES,
+            )  # fmt: skip
+        ticket = tl.atomic_add(counters_ptr, 1)
+    # The last program out (every ticket taken, every item finished) resets the counters.
+    tl.debug_barrier()
+    if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        for t0 in range(0, n_tokens, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(done_ptr + offs_t, tl.zeros([BLOCK_T], tl.int32), mask=offs_t < n_tokens)
+        tl.store(counters_ptr, 0)
+        tl.store(counters_ptr + 1, 0)
 
 
 def preload_cols(preload, block_i: int, inter: int, tile_rows: int, per_item: int) -> int:
@@ -446,10 +651,14 @@ def default_configs(
     repo has them, else the defaults."""
     kernel = "warp_decode" if weights == "bf16" else f"warp_decode_{weights}"
     table = tuned.load(tuned.shape_name(kernel, hidden, inter, experts, top_k)) or {}
-    return {
+    cfg = {
         "gate_up": tuned.nearest(table.get("gate_up"), tokens) or DEFAULT_GATE_UP,
         "down": tuned.nearest(table.get("down"), tokens) or DEFAULT_DOWN,
     }
+    persistent = tuned.nearest(table.get("persistent"), tokens)
+    if persistent:  # programs per SM of the one-launch form (persistent_moe); 0: the pair
+        cfg["persistent"] = persistent
+    return cfg
 
 
 def _fit(block: int, size: int) -> int:
@@ -475,7 +684,8 @@ def warp_decode_moe(
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     with fp32 accumulation throughout; the only rounding between input and output is the
     intermediate silu(gate)*up stored in x's dtype between the two launches.
-    `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning).
+    `config` ({"gate_up": {...}, "down": {...}}) overrides the tuned block sizes (used by tuning);
+    with "persistent" (programs per SM) both kernels' work runs in one launch (persistent_moe).
     `pdl`: the pair is a link of a PDL chain (kernels.pdl): kernel 1 waits for the kernel before
     it, kernel 2 lets the kernel after it start early.
     """
@@ -486,6 +696,8 @@ def warp_decode_moe(
     if n_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     chain = pdl and pdl_supported(x.device)
+    if cfg.get("persistent"):
+        return persistent_moe(x, w_gate_up, w_down, ids, route_w, cfg, pdl=chain)
     pdl = chain or use_pdl(cfg["down"], x.device)
     act = gate_up_silu(x, w_gate_up, ids, cfg["gate_up"], launch_deps=pdl, w_down=w_down, pdl=chain)
     return down(act, w_down, ids, route_w, dict(cfg["down"], pdl=pdl), routing_ready=not chain)
@@ -505,10 +717,7 @@ def gate_up_silu(
     top_k = ids.shape[1]
     w = kernel_weight(w_gate_up)
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    # A tile never straddles two scales (FP8 blocks, int4 groups), nor spans less than a word.
-    # Up rows start at row `inter`: a tile must not straddle a block there either.
-    block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), math.gcd(w.scale_rows, inter))
-    block_h = max(scale_tile(_fit(cfg["BLOCK_H"], hidden), w.tile_cols), 2 * w.per_item)
+    block_i, block_h = _gate_up_tiles(cfg, w, hidden, inter)
     n_i = triton.cdiv(inter, block_i)
     line_elems = max(1, L2_LINE_BYTES // x.element_size())
     prefetch = (
@@ -557,6 +766,27 @@ def gate_up_silu(
     return act
 
 
+def _gate_up_tiles(cfg: dict, w, hidden: int, inter: int) -> tuple[int, int]:
+    """Kernel 1's (BLOCK_I, BLOCK_H) for weight w: a tile never straddles two scales (FP8
+    blocks, int4 groups), nor spans less than a word. Up rows start at row `inter`: a tile must
+    not straddle a block there either."""
+    block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), math.gcd(w.scale_rows, inter))
+    block_h = max(scale_tile(_fit(cfg["BLOCK_H"], hidden), w.tile_cols), 2 * w.per_item)
+    return block_i, block_h
+
+
+def _down_tiles(cfg: dict, w, hidden: int, inter: int, top_k: int) -> tuple[int, int, int]:
+    """Kernel 2's (K_PAD, BLOCK_H, BLOCK_I) for weight w: the slots padded to a power of two,
+    the [K_PAD, BLOCK_H, BLOCK_I] tile kept within DOWN_TILE_BUDGET."""
+    k_pad = next_pow2(top_k)
+    block_h = scale_tile(_fit(cfg["BLOCK_H"], hidden), w.scale_rows)
+    block_i = _fit(cfg["BLOCK_I"], inter)
+    while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
+        block_i //= 2  # many experts per token: keep the 3-D tile in registers
+    block_i = max(scale_tile(block_i, w.tile_cols), 2 * w.per_item)
+    return k_pad, block_h, block_i
+
+
 def _launch_opts(cfg: dict, pdl: bool = False) -> dict:
     opts = {"num_warps": cfg["num_warps"]}
     if "num_stages" in cfg and not interpreting():
@@ -579,12 +809,7 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
     experts, hidden, inter = w_down.shape
     w = kernel_weight(w_down)
     y = torch.empty(n_tokens, hidden, dtype=act.dtype, device=act.device)
-    k_pad = next_pow2(top_k)
-    block_h = scale_tile(_fit(cfg["BLOCK_H"], hidden), w.scale_rows)
-    block_i = _fit(cfg["BLOCK_I"], inter)
-    while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
-        block_i //= 2  # many experts per token: keep the 3-D tile in registers
-    block_i = max(scale_tile(block_i, w.tile_cols), 2 * w.per_item)
+    k_pad, block_h, block_i = _down_tiles(cfg, w, hidden, inter, top_k)
     pdl = use_pdl(cfg, act.device)
     line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
     prefetch = pdl and routing_ready and cfg.get("prefetch") and w.format == PLAIN
@@ -629,4 +854,68 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
         LOOP_STAGES=cfg.get("loop_stages", 1),
         **_launch_opts(cfg, pdl),
     )
+    return y
+
+
+PERSISTENT_COUNTERS = "warp decode persistent"
+# Programs of one persistent launch under the CPU interpreter (which runs them one by one):
+# enough that the counters' reset by the last one is exercised.
+INTERPRETED_PROGRAMS = 3
+
+
+def persistent_moe(x, w_gate_up: Weight, w_down: Weight, ids, route_w, cfg: dict, pdl=False):
+    """The MoE layer in one launch (_persistent_kernel): cfg["persistent"] programs per SM take
+    the gate/up items of cfg["gate_up"]'s tiles, then the down items of cfg["down"]'s, whose
+    preload (one step's or more) is loaded before each waits for its token. Returns y [T, H].
+    `pdl`: a link of a PDL chain (waits for the kernel before, lets the one after start)."""
+    n_tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w_down.shape[2]
+    gu, dn = kernel_weight(w_gate_up), kernel_weight(w_down)
+    block_i, block_h = _gate_up_tiles(cfg["gate_up"], gu, hidden, inter)
+    k_pad, d_block_h, d_block_i = _down_tiles(cfg["down"], dn, hidden, inter, top_k)
+    preload = preload_cols(
+        cfg["down"].get("preload"), d_block_i, inter, k_pad * d_block_h, dn.per_item
+    )
+    n_i, n_h = triton.cdiv(inter, block_i), triton.cdiv(hidden, d_block_h)
+    n_items = n_tokens * (top_k * n_i + n_h)
+    if x.is_cuda and not interpreting():
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        programs = min(n_items, int(cfg["persistent"]) * sm_count(index))
+    else:
+        programs = min(n_items, INTERPRETED_PROGRAMS)
+    counters = zeroed_counters(x.device, 2 + n_tokens, PERSISTENT_COUNTERS)
+    act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n_tokens, hidden, dtype=x.dtype, device=x.device)
+    warps = max(cfg["gate_up"]["num_warps"], cfg["down"]["num_warps"])
+    _persistent_kernel[(programs,)](
+        x, gu.stored, gu.scale, ids, route_w, act, dn.stored, dn.scale, y, counters,
+        n_tokens, hidden, inter, top_k, n_i, n_h,
+        x.stride(0), gu.stored.stride(0), gu.stored.stride(1), gu.scale.stride(0),
+        gu.scale.stride(1), dn.stored.stride(0), dn.stored.stride(1), dn.scale.stride(0),
+        dn.scale.stride(1), y.stride(0),
+        G_BLOCK_I=block_i,
+        G_BLOCK_H=block_h,
+        G_EVEN_I=inter % block_i == 0,
+        G_EVEN_H=hidden % block_h == 0,
+        G_SCALE_ROWS=gu.scale_rows,
+        G_SCALE_COLS=gu.scale_cols,
+        G_STAGES=cfg["gate_up"].get("loop_stages", 1),
+        K_PAD=k_pad,
+        D_BLOCK_H=d_block_h,
+        D_BLOCK_I=d_block_i,
+        EVEN_K=k_pad == top_k,
+        D_EVEN_H=hidden % d_block_h == 0,
+        D_EVEN_I=inter % d_block_i == 0,
+        D_SCALE_ROWS=dn.scale_rows,
+        D_SCALE_COLS=dn.scale_cols,
+        PRELOAD=preload,
+        EVEN_PRELOAD=0 < preload <= inter,
+        D_STAGES=cfg["down"].get("loop_stages", 1),
+        FORMAT=dn.format,
+        PER_ITEM=dn.per_item,
+        BLOCK_T=64,
+        PDL=pdl,
+        **_launch_opts({"num_warps": warps}, pdl),
+    )  # fmt: skip
     return y

@@ -122,6 +122,16 @@ LOOP_STAGES = (1, 2, 3, 4)
 STAGED_CANDIDATES = 3
 
 
+# Programs per SM swept for the persistent form (both kernels' items in one launch).
+PERSISTENT_PROGRAMS = (2, 4, 8)
+
+
+def as_persistent(cfg: dict):
+    """cfg's tiles in one persistent launch, at each of PERSISTENT_PROGRAMS per SM."""
+    for programs in PERSISTENT_PROGRAMS:
+        yield dict(cfg, persistent=programs)
+
+
 def with_loop_stages(cfg: dict):
     """cfg with each kernel's loop pipelined to every depth of LOOP_STAGES but cfg's own."""
     for g, d in itertools.product(LOOP_STAGES, LOOP_STAGES):
@@ -160,7 +170,8 @@ def best_by(timed: list, key) -> dict:
 
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     """Per batch: the stored config and every warp_candidates() config, then the fastest few
-    with their loops pipelined to each depth."""
+    with their loops pipelined to each depth, then the fastest few of all as one persistent
+    launch."""
     best = {}
     h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
     for batch in TUNE_BATCHES:
@@ -170,11 +181,14 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
-        staged = [s for _, c in timed[:STAGED_CANDIDATES] for s in with_loop_stages(c)]
-        timed = sorted(
-            timed + time_candidates(layers, inputs[batch], staged, replays, log),
-            key=lambda t: t[0],
-        )
+        for widen in (with_loop_stages, as_persistent):
+            more = [
+                w for _, c in timed[:STAGED_CANDIDATES] if "persistent" not in c for w in widen(c)
+            ]
+            timed = sorted(
+                timed + time_candidates(layers, inputs[batch], more, replays, log),
+                key=lambda t: t[0],
+            )
         us, cfg = timed[0]
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
@@ -185,6 +199,8 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
             lambda c: f"{c['gate_up'].get('loop_stages', 1)},{c['down'].get('loop_stages', 1)}",
         )
         log(f"  best per loop stages (gate/up, down), {layers.fmt} B={batch}: {stages}")
+        persistent = best_by(timed, lambda c: str(c.get("persistent", "pair")))
+        log(f"  best per persistent programs per SM, {layers.fmt} B={batch}: {persistent}")
     return best
 
 
@@ -198,6 +214,9 @@ def save_tuned(fmt: str, best: dict, device: str) -> None:
     for kernel in ("gate_up", "down"):
         table[kernel] = dict(table.get(kernel, {}))
         table[kernel].update({str(b): c[kernel] for b, c in best.items()})
+    # Programs per SM where the one-launch form won, 0 where the pair did.
+    table["persistent"] = dict(table.get("persistent", {}))
+    table["persistent"].update({str(b): c.get("persistent", 0) for b, c in best.items()})
     tuned.save(name, table)
 
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from quantized_layers import poison_torch_empty, quantize
 
+from kernels.counters import counters_of
 from kernels.fused_ops import add_rms_norm
-from kernels.gemv import _COUNTERS, norm_linear, skinny_linear
+from kernels.gemv import COUNTERS_USER, norm_linear, skinny_linear
 from kernels.quant import dequantize
 
 
@@ -81,6 +82,6 @@ def test_split_k_gives_the_same_bits_every_launch_and_resets_its_counters(fmt, m
     first = skinny_linear(x, w, block_n=16, block_k=32, split_k=4)
     for _ in range(3):
         assert torch.equal(skinny_linear(x, w, block_n=16, block_k=32, split_k=4), first)
-    assert not _COUNTERS[x.device].any()
+    assert not counters_of(x.device, COUNTERS_USER).any()
     whole = skinny_linear(x, w, block_n=16, block_k=32, split_k=1)
     assert ((first.double() - whole.double()).norm() / whole.double().norm()).item() < 1e-2

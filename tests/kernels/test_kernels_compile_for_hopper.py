@@ -75,7 +75,7 @@ def run_without_interpreter(module: str) -> subprocess.CompletedProcess:
 def test_every_kernel_compiles_for_hopper():
     run = run_without_interpreter("tests.kernels.test_kernels_compile_for_hopper")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.stdout.count("compiled") == 3 * len(FORMATS), run.stdout
+    assert run.stdout.count("compiled") == 4 * len(FORMATS), run.stdout
     assert "norm_route: built" in run.stdout, run.stdout
     assert "qk norm rope store: built" in run.stdout, run.stdout
     assert "paged attention fused merge: built" in run.stdout, run.stdout
@@ -150,6 +150,32 @@ def warp_decode_compiles(fmt):
                     "a load before the wait races the router"
                 )
         assert gate_up.index("griddepcontrol.wait") < gate_up.index("ld.global")
+
+
+def persistent_warp_decode_compiles(fmt):
+    """Both kernels' items in one launch: tickets and counts by atomics, the down items' wait an
+    acquire load, the activations they read written during the launch, so read from L2."""
+    w, s = STORED[fmt]
+    pointers = dict(x_ptr="bf16", gu_ptr=w, gu_s_ptr=s, ids_ptr="i64", weights_ptr="fp32")
+    pointers.update(act_ptr="bf16", dn_ptr=w, dn_s_ptr=s, y_ptr="bf16", counters_ptr="i32")
+    scales = FORMAT_CONSTS[fmt]
+    consts = dict(G_BLOCK_I=8, G_BLOCK_H=128, G_EVEN_I=True, G_EVEN_H=True, G_STAGES=3)
+    consts.update(G_SCALE_ROWS=scales["SCALE_ROWS"], G_SCALE_COLS=scales["SCALE_COLS"])
+    consts.update(K_PAD=8, D_BLOCK_H=8, D_BLOCK_I=128, EVEN_K=True, D_EVEN_H=True, D_EVEN_I=True)
+    consts.update(D_SCALE_ROWS=scales["SCALE_ROWS"], D_SCALE_COLS=scales["SCALE_COLS"])
+    consts.update(PRELOAD=128, EVEN_PRELOAD=True, D_STAGES=3, FORMAT=fmt)
+    consts.update(PER_ITEM=scales["PER_ITEM"], BLOCK_T=64, PDL=True)
+    ptx = compile_for_hopper(
+        warp_decode._persistent_kernel,
+        pointers,
+        consts,
+        divisible=("hidden", "inter", "stride_xt", "stride_gue", "stride_gun", "stride_dne"),
+        num_warps=4,
+        launch_pdl=True,
+    )
+    assert "atom.global.gpu.release.add" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+    assert "ld.global.gpu.acquire" in ptx and "ld.global.cg" in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
 
 
 def expert_centric_compiles(fmt):
@@ -279,7 +305,12 @@ def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), (
         "compiling needs Triton's JIT, not its interpreter"
     )
-    for check in (warp_decode_compiles, expert_centric_compiles, skinny_gemv_compiles):
+    for check in (
+        warp_decode_compiles,
+        persistent_warp_decode_compiles,
+        expert_centric_compiles,
+        skinny_gemv_compiles,
+    ):
         for fmt in FORMATS:
             check(fmt)
             print(f"{check.__name__.removesuffix('_compiles')} format {fmt}: compiled", flush=True)

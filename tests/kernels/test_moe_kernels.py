@@ -12,11 +12,12 @@ import torch
 from quantized_layers import poison_torch_empty
 
 from kernels import dispatch, reference
+from kernels.counters import counters_of
 from kernels.fused_moe import fused_moe
 from kernels.moe_align import align_by_expert
 from kernels.pdl import pdl_supported
 from kernels.router import route as triton_route
-from kernels.warp_decode import warp_decode_moe
+from kernels.warp_decode import PERSISTENT_COUNTERS, warp_decode_moe
 from kernels.warp_decode_batched import warp_decode_batched_moe
 from kernels.warp_decode_dedup import warp_decode_dedup_moe
 
@@ -102,6 +103,23 @@ def test_warp_decode_preloaded_columns(shape, preload):
         "down": dict(WARP_SMALL["down"], pdl=True, preload=preload),
     }
     check_moe(warp_decode_moe(*layer, config=cfg), *layer, reference.moe_output_centric)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("preload", [False, True, 32], ids=["none", "first-step", "two-steps"])
+def test_persistent_warp_decode_is_the_pair_in_one_launch(shape, preload):
+    # One launch, a few programs taking tickets (gate/up items, then down items that wait for
+    # their token's): the same items as the pair, so the same bits; and each launch leaves its
+    # counters at zero, so launches (and graph replays) repeat.
+    layer = make_layer(*shape, seed=hash(shape) % 1000 + 7)
+    pair = {"gate_up": WARP_SMALL["gate_up"], "down": dict(WARP_SMALL["down"], preload=preload)}
+    persistent = dict(pair, persistent=4)
+    expected = warp_decode_moe(*layer, config=pair)
+    for _ in range(2):
+        y = warp_decode_moe(*layer, config=persistent)
+        assert torch.equal(y, expected)
+        assert not counters_of(y.device, PERSISTENT_COUNTERS).any()
+    check_moe(y, *layer, reference.moe_output_centric)
 
 
 def _dedup_small(group):

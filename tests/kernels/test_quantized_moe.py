@@ -32,6 +32,8 @@ PIPELINED = {
     "gate_up": {**SMALL["gate_up"], "loop_stages": 3},
     "down": {**SMALL["down"], "preload": True, "loop_stages": 3},
 }
+# Both kernels' items from one launch (kernels.warp_decode.persistent_moe).
+PERSISTENT = {**PIPELINED, "persistent": 4}
 
 
 def float64_reference(x, w_gate_up, w_down, ids, weights):
@@ -60,8 +62,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize(
     "config",
-    [SMALL, PRELOAD, PRELOAD_WIDE, PIPELINED],
-    ids=["plain", "preload", "preload-wide", "pipelined"],
+    [SMALL, PRELOAD, PRELOAD_WIDE, PIPELINED, PERSISTENT],
+    ids=["plain", "preload", "preload-wide", "pipelined", "persistent"],
 )
 def test_warp_decode_reads_quantized_weights(case, config):
     tokens, hidden, inter, experts, top_k, fmt, size = case
