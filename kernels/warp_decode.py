@@ -20,7 +20,9 @@ kernel 1's tail. (An L2 prefetch of all its rows, `"prefetch"`, and kernel 1 pre
 Both kernels run the work items of `kernels.warp_decode_items`, one item a program. The same
 items can also run in one launch (config `"persistent"`: `_persistent_kernel`, a few programs per
 SM taking every gate/up item, then every down item, each down item waiting on a per-token count
-of its token's gate/up items): one ramp and one tail a layer instead of two.
+of its token's gate/up items): one ramp and one tail a layer instead of two. It has measured
+slower than the pair everywhere so far (BENCHMARKS.md, "Pipelined loops and one persistent
+launch"); the tuner keeps trying it.
 
 Work grows with T*k expert-row reads, so this is the decode path; `kernels.dispatch` switches
 to the expert-centric path (`kernels.fused_moe`) where that is measured to be faster.
