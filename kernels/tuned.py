@@ -32,12 +32,17 @@ def load(name: str) -> dict | None:
         return json.load(f)
 
 
-def nearest(table: dict | None, tokens: int) -> dict | None:
-    """The config of the batch size closest to `tokens` (ties go to the smaller one)."""
+def nearest_key(table: dict | None, tokens: int) -> str | None:
+    """The batch-size key closest to `tokens` (ties go to the smaller one)."""
     if not table:
         return None
-    best = min(table, key=lambda key: (abs(int(key) - tokens), int(key)))
-    return table[best]
+    return min(table, key=lambda key: (abs(int(key) - tokens), int(key)))
+
+
+def nearest(table: dict | None, tokens: int) -> dict | None:
+    """The config of the batch size closest to `tokens` (ties go to the smaller one)."""
+    key = nearest_key(table, tokens)
+    return None if key is None else table[key]
 
 
 def save(name: str, data: dict, directory: Path | None = None) -> Path:

@@ -160,7 +160,8 @@ def _down_kernel(
         wait(PDL)
     down_item(
         act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, y_ptr, tl.program_id(0), tl.program_id(1),
-        hidden, inter, top_k, stride_we, stride_wh, stride_se, stride_sh, stride_yt, y_ptr, 0,
+        hidden, inter, top_k, stride_we, stride_wh, stride_se, stride_sh, stride_yt,
+        y_ptr, 0,  # ready_ptr, ready_count: unused, the activations are ready or PDL-awaited
         K_PAD, BLOCK_H, BLOCK_I, EVEN_K, EVEN_H, EVEN_I, FORMAT, SCALE_ROWS, SCALE_COLS, PER_ITEM,
         PREFETCH_LINES, LINE_ELEMS, PRELOAD, EVEN_PRELOAD,
         ACTS_PDL if PDL and ROUTING_READY else ACTS_READY, LOOP_STAGES,
@@ -201,7 +202,7 @@ def _persistent_kernel(
     G_EVEN_H: tl.constexpr,
     G_SCALE_ROWS: tl.constexpr,
     G_SCALE_COLS: tl.constexpr,
-    G_STAGES: tl.constexpr,
+    G_LOOP_STAGES: tl.constexpr,
     K_PAD: tl.constexpr,
     D_BLOCK_H: tl.constexpr,
     D_BLOCK_I: tl.constexpr,
@@ -212,7 +213,7 @@ def _persistent_kernel(
     D_SCALE_COLS: tl.constexpr,
     PRELOAD: tl.constexpr,
     EVEN_PRELOAD: tl.constexpr,
-    D_STAGES: tl.constexpr,
+    D_LOOP_STAGES: tl.constexpr,
     FORMAT: tl.constexpr,
     PER_ITEM: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -237,7 +238,7 @@ def _persistent_kernel(
                 x_ptr, gu_ptr, gu_s_ptr, ids_ptr, act_ptr, slot, ticket % n_i, hidden, inter,
                 top_k, stride_xt, stride_gue, stride_gun, stride_guse, stride_gusn,
                 G_BLOCK_I, G_BLOCK_H, G_EVEN_I, G_EVEN_H, FORMAT, G_SCALE_ROWS, G_SCALE_COLS,
-                PER_ITEM, "", G_STAGES,
+                PER_ITEM, "", G_LOOP_STAGES,
             )  # fmt: skip
             tl.debug_barrier()  # every thread's activations stored before the count says so
             tl.atomic_add(done_ptr + slot // top_k, 1, sem="release")
@@ -248,7 +249,7 @@ def _persistent_kernel(
                 hidden, inter, top_k, stride_dne, stride_dnh, stride_dnse, stride_dnsh,
                 stride_yt, done_ptr, top_k * n_i, K_PAD, D_BLOCK_H, D_BLOCK_I, EVEN_K, D_EVEN_H,
                 D_EVEN_I, FORMAT, D_SCALE_ROWS, D_SCALE_COLS, PER_ITEM, 0, 1, PRELOAD,
-                EVEN_PRELOAD, ACTS_COUNTED, D_STAGES,
+                EVEN_PRELOAD, ACTS_COUNTED, D_LOOP_STAGES,
             )  # fmt: skip
         ticket = tl.atomic_add(counters_ptr, 1)
     # The last program out (every ticket taken, every item finished) resets the counters.
@@ -295,8 +296,11 @@ def default_configs(
         "gate_up": tuned.nearest(table.get("gate_up"), tokens) or DEFAULT_GATE_UP,
         "down": tuned.nearest(table.get("down"), tokens) or DEFAULT_DOWN,
     }
-    persistent = tuned.nearest(table.get("persistent"), tokens)
-    if persistent:  # programs per SM of the one-launch form (persistent_moe); 0: the pair
+    # The one-launch form (persistent_moe) only where it was chosen for the batch whose tiles
+    # these are: a batch the tuner never timed it at runs the pair. 0 or absent: the pair.
+    key = tuned.nearest_key(table.get("down"), tokens)
+    persistent = table.get("persistent", {}).get(key, 0) if key is not None else 0
+    if persistent:
         cfg["persistent"] = persistent
     return cfg
 
@@ -507,11 +511,15 @@ def persistent_moe(x, w_gate_up: Weight, w_down: Weight, ids, route_w, cfg: dict
     """The MoE layer in one launch (_persistent_kernel): cfg["persistent"] programs per SM take
     the gate/up items of cfg["gate_up"]'s tiles, then the down items of cfg["down"]'s, whose
     preload (one step's or more) is loaded before each waits for its token. Returns y [T, H].
-    `pdl`: a link of a PDL chain (waits for the kernel before, lets the one after start)."""
+    `pdl`: a link of a PDL chain (waits for the kernel before, lets the one after start).
+    Of the pair's config it takes the tiles, preloads, loop stages and the larger num_warps;
+    the pair's own PDL, prefetch and num_stages keys do not apply to one launch."""
     n_tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w_down.shape[2]
     gu, dn = kernel_weight(w_gate_up), kernel_weight(w_down)
+    # One FORMAT serves both kinds of item.
+    assert gu.format == dn.format and gu.per_item == dn.per_item, "mixed weight formats"
     block_i, block_h = _gate_up_tiles(cfg["gate_up"], gu, hidden, inter)
     k_pad, d_block_h, d_block_i = _down_tiles(cfg["down"], dn, hidden, inter, top_k)
     preload = preload_cols(
@@ -540,7 +548,7 @@ def persistent_moe(x, w_gate_up: Weight, w_down: Weight, ids, route_w, cfg: dict
         G_EVEN_H=hidden % block_h == 0,
         G_SCALE_ROWS=gu.scale_rows,
         G_SCALE_COLS=gu.scale_cols,
-        G_STAGES=cfg["gate_up"].get("loop_stages", 1),
+        G_LOOP_STAGES=cfg["gate_up"].get("loop_stages", 1),
         K_PAD=k_pad,
         D_BLOCK_H=d_block_h,
         D_BLOCK_I=d_block_i,
@@ -551,7 +559,7 @@ def persistent_moe(x, w_gate_up: Weight, w_down: Weight, ids, route_w, cfg: dict
         D_SCALE_COLS=dn.scale_cols,
         PRELOAD=preload,
         EVEN_PRELOAD=0 < preload <= inter,
-        D_STAGES=cfg["down"].get("loop_stages", 1),
+        D_LOOP_STAGES=cfg["down"].get("loop_stages", 1),
         FORMAT=dn.format,
         PER_ITEM=dn.per_item,
         BLOCK_T=64,

@@ -362,7 +362,8 @@ def down_item(
         tl.extra.cuda.gdc_wait()
     if ACTS == ACTS_COUNTED:  # other programs of this launch are writing them
         _await_count(ready_ptr + token, ready_count)
-    # Written by other SMs during this launch: read from L2, never from a stale L1 line.
+    # The acquire in _await_count orders these reads after the writers' release, so plain
+    # loads would be correct too; .cg skips L1, which other SMs' lines never reach anyway.
     ACT_CACHE: tl.constexpr = ".cg" if ACTS == ACTS_COUNTED else ""
     # int4: a column per word, the sum over its eight values being formed in the step.
     acc = tl.zeros([K_PAD, BLOCK_H, BLOCK_I // PER_ITEM], dtype=tl.float32)

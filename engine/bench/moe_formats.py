@@ -133,17 +133,18 @@ def as_persistent(cfg: dict):
 
 
 def with_loop_stages(cfg: dict):
-    """cfg with each kernel's loop pipelined to every depth of LOOP_STAGES but cfg's own."""
+    """cfg's tiles with each kernel's loop at every pair of LOOP_STAGES depths but cfg's own
+    (a missing loop_stages is depth 1)."""
+    own = (cfg["gate_up"].get("loop_stages", 1), cfg["down"].get("loop_stages", 1))
     for g, d in itertools.product(LOOP_STAGES, LOOP_STAGES):
-        staged = {
-            "gate_up": dict(cfg["gate_up"], loop_stages=g),
-            "down": dict(cfg["down"], loop_stages=d),
-        }
-        if staged != cfg and (g, d) != (1, 1):
-            yield staged
+        if (g, d) != own:
+            yield {
+                "gate_up": dict(cfg["gate_up"], loop_stages=g),
+                "down": dict(cfg["down"], loop_stages=d),
+            }
 
 
-def time_candidates(layers: Layers, inputs: list, candidates, replays: int, log) -> list:
+def time_candidates(layers: Layers, batch: int, inputs: list, candidates, replays: int, log):
     """(µs per layer, cfg) of each candidate that compiles and is right, the fastest first."""
     timed = []
     for cfg in candidates:
@@ -152,10 +153,10 @@ def time_candidates(layers: Layers, inputs: list, candidates, replays: int, log)
             err = error(run, inputs[0])
             us = graph_time_us(lambda f=run, xs=inputs: [f(*a) for a in xs], replays)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-            log(f"  {layers.fmt} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
+            log(f"  {layers.fmt} B={batch} {cfg}: {type(exc).__name__}: {str(exc)[-1500:]}")
             continue
         if not err <= MAX_CANDIDATE_ERROR:
-            log(f"  {layers.fmt} {cfg}: error {err:.2e} against float64, left out")
+            log(f"  {layers.fmt} B={batch} {cfg}: error {err:.2e} against float64, left out")
             continue
         timed.append((us / len(inputs), cfg))
     return sorted(timed, key=lambda t: t[0])
@@ -177,16 +178,15 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     for batch in TUNE_BATCHES:
         stored = default_configs(batch, h, i, e, k, layers.fmt)
         candidates = [stored] + [c for c in warp_candidates() if c != stored]
-        timed = time_candidates(layers, inputs[batch], candidates, replays, log)
+        timed = time_candidates(layers, batch, inputs[batch], candidates, replays, log)
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
         for widen in (with_loop_stages, as_persistent):
-            more = [
-                w for _, c in timed[:STAGED_CANDIDATES] if "persistent" not in c for w in widen(c)
-            ]
+            pairs = [c for _, c in timed if "persistent" not in c][:STAGED_CANDIDATES]
+            more = [w for c in pairs for w in widen(c)]
             timed = sorted(
-                timed + time_candidates(layers, inputs[batch], more, replays, log),
+                timed + time_candidates(layers, batch, inputs[batch], more, replays, log),
                 key=lambda t: t[0],
             )
         us, cfg = timed[0]

@@ -293,9 +293,17 @@ def main(argv=None):
         ov = tune_moe.tune_overlap(layers, small, inputs, cfgs, log=log)
         result["tuning_overlap_us"] = ov["us"]
         stored = tuned.load(names["warp_decode"]) or {}
-        merged = {
-            part: {**stored.get(part, {}), **ov["warp_decode"][part]}
-            for part in ("gate_up", "down")
+        merged = dict(stored)  # other keys (the device) stay as they were
+        merged.update(
+            {
+                part: {**stored.get(part, {}), **ov["warp_decode"][part]}
+                for part in ("gate_up", "down")
+            }
+        )
+        # The one-launch choice was timed with the old tiles: the retuned batches run the pair.
+        retuned = ov["warp_decode"]["down"]
+        merged["persistent"] = {
+            b: n for b, n in stored.get("persistent", {}).items() if b not in retuned
         }
         save(names["warp_decode"], merged)
         save(names["warp_decode_dedup"], ov["warp_decode_dedup"])

@@ -159,23 +159,37 @@ def persistent_warp_decode_compiles(fmt):
     pointers = dict(x_ptr="bf16", gu_ptr=w, gu_s_ptr=s, ids_ptr="i64", weights_ptr="fp32")
     pointers.update(act_ptr="bf16", dn_ptr=w, dn_s_ptr=s, y_ptr="bf16", counters_ptr="i32")
     scales = FORMAT_CONSTS[fmt]
-    consts = dict(G_BLOCK_I=8, G_BLOCK_H=128, G_EVEN_I=True, G_EVEN_H=True, G_STAGES=3)
+    consts = dict(G_BLOCK_I=8, G_BLOCK_H=128, G_EVEN_I=True, G_EVEN_H=True, G_LOOP_STAGES=3)
     consts.update(G_SCALE_ROWS=scales["SCALE_ROWS"], G_SCALE_COLS=scales["SCALE_COLS"])
     consts.update(K_PAD=8, D_BLOCK_H=8, D_BLOCK_I=128, EVEN_K=True, D_EVEN_H=True, D_EVEN_I=True)
     consts.update(D_SCALE_ROWS=scales["SCALE_ROWS"], D_SCALE_COLS=scales["SCALE_COLS"])
-    consts.update(PRELOAD=128, EVEN_PRELOAD=True, D_STAGES=3, FORMAT=fmt)
+    consts.update(PRELOAD=128, EVEN_PRELOAD=True, D_LOOP_STAGES=3, FORMAT=fmt)
     consts.update(PER_ITEM=scales["PER_ITEM"], BLOCK_T=64, PDL=True)
     ptx = compile_for_hopper(
         warp_decode._persistent_kernel,
         pointers,
         consts,
-        divisible=("hidden", "inter", "stride_xt", "stride_gue", "stride_gun", "stride_dne"),
+        divisible=(
+            "hidden",
+            "inter",
+            "stride_xt",
+            "stride_gue",
+            "stride_gun",
+            "stride_dne",
+            "stride_dnh",
+            "stride_yt",
+        ),  # fmt: skip
         num_warps=4,
         launch_pdl=True,
     )
     assert "atom.global.gpu.release.add" in ptx and "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.gpu.acquire" in ptx and "ld.global.cg" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
+    # With the strides the JIT specializes, the weights come as 16-byte async copies, not
+    # element by element (bf16 and FP8; int4's scales are single bf16 loads by design).
+    assert "cp.async.cg.shared.global" in ptx
+    if fmt != INT4_GROUPS:
+        assert ptx.count("ld.global.b16") + ptx.count("ld.global.u8") < 4
 
 
 def expert_centric_compiles(fmt):

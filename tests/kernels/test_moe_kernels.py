@@ -171,6 +171,21 @@ def test_default_configs_run_at_small_shapes():
     check_moe(fused_moe(*layer), *layer, reference.moe_expert_centric)
 
 
+def test_persistent_choice_only_at_the_batch_it_was_tuned_for(monkeypatch):
+    """A table's one-launch choice goes with the tiles it was timed with: a batch whose nearest
+    tiles come from a batch the tuner never timed as one launch runs the pair."""
+    from kernels import tuned
+    from kernels.warp_decode import default_configs
+
+    tiles = {str(b): {"num_warps": 4, "block": b} for b in (1, 8, 64)}
+    table = {"gate_up": tiles, "down": tiles, "persistent": {"1": 0, "8": 4}}
+    monkeypatch.setattr(tuned, "load", lambda name: table)
+    assert default_configs(9, 64, 48, 8, 2)["persistent"] == 4
+    assert default_configs(9, 64, 48, 8, 2)["down"] == tiles["8"]
+    for batch in (1, 2, 40, 64):  # tuned for the pair, or never timed as one launch
+        assert "persistent" not in default_configs(batch, 64, 48, 8, 2)
+
+
 def test_int32_ids_accepted():
     x, w_gate_up, w_down, ids, weights = make_layer(3, 64, 48, 8, 2, seed=11)
     layer = (x, w_gate_up, w_down, ids.to(torch.int32), weights)
