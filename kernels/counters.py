@@ -2,7 +2,8 @@
 
 Kernels that coordinate their programs through atomics (the split-K GEMV's arrival counts, the
 persistent MoE kernel's tickets) reset their counters before they finish, so one zeroed buffer
-serves every launch and every replay of a captured CUDA graph.
+serves every launch and every replay of a captured CUDA graph. The buffer is per device, not per
+stream: two such launches of one user running at once on different streams would share it.
 """
 
 from __future__ import annotations
