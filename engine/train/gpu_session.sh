@@ -8,7 +8,10 @@
 #                                       a PACK named model.safetensors.partNN is a piece of split
 #                                       weights, kept as it is: a RESUME folder that arrives without
 #                                       weights gets them joined from the staged pieces (stage the
-#                                       first with --clear, so no other run's pieces are left)
+#                                       first with --clear, so no other run's pieces are left);
+#                                       compile_cache.bin.partNN pieces are the last stint's
+#                                       compiled training step (engine.train.compile_cache),
+#                                       joined for the next start
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
 #                                       training and watch it: resuming the embedded default
@@ -22,7 +25,8 @@
 #
 # Everything that must come back is copied under $OUT (checkpoint shards are <= 16 MB each; a run
 # with --fp8-block or --int4-group brings back its quantized export as model.safetensors.partNN, to be joined with cat,
-# and export.tgz with its config and training state).
+# and export.tgz with its config and training state; the compiled step's artifacts come back as
+# compile_cache.bin.partNN, to be staged as they are for the next stint).
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
 STAGE=${STAGE_DIR:-/tmp/wd-stage}  # outside the checkout, which each call replaces
@@ -42,6 +46,9 @@ copy_out() {  # the newest checkpoint, and one archive of the logs and the corpu
         tar -czf "$OUT/export.tgz" -C "$RUN/export" config.json generation_config.json training_state.json
     elif [ -d "$RUN/out/ckpt" ]; then
         mkdir -p "$OUT/ckpt" && cp "$RUN/out/ckpt/"* "$OUT/ckpt/"
+    fi
+    if [ -s "$RUN/compile_cache.bin" ]; then
+        split -b 15M -d "$RUN/compile_cache.bin" "$OUT/compile_cache.bin.part"
     fi
     cp "$RUN/out/log.jsonl" "$RUN/out/loss.png" "$RUN/" 2>/dev/null
     (cd "$RUN" && tar -czf "$OUT/records.tgz" $(ls train.log log.jsonl loss.png manifest-gpu.json \
@@ -81,7 +88,8 @@ launch() {  # trainer args
     RESUME=$(resume_dir) || { echo "cannot join the staged pieces of $RESUME"; exit 1; }
     if [ -n "${SHAPE:-}" ]; then resume=${RESUME:-}; else resume=${RESUME:-$MODEL}; fi
     setsid nohup $py -m engine.train.train --model-dir "$dir" --corpus .corpus \
-        --out "$RUN/out" ${resume:+--resume "$resume"} "$@" >> "$RUN/train.log" 2>&1 < /dev/null &
+        --out "$RUN/out" --compile-cache "$RUN/compile_cache.bin" ${resume:+--resume "$resume"} \
+        "$@" >> "$RUN/train.log" 2>&1 < /dev/null &
     echo $! > "$RUN/pid"
 }
 
@@ -108,6 +116,7 @@ stage)
         case $pack in
         *.tar.xz) tar -xJf "$pack" -C "$STAGE" || exit 1 ;;
         *model.safetensors.part*) mkdir -p "$STAGE/pieces" && cp "$pack" "$STAGE/pieces/" || exit 1 ;;
+        *compile_cache.bin.part*) mkdir -p "$STAGE/cache" && cp "$pack" "$STAGE/cache/" || exit 1 ;;
         *) echo "neither a corpus part (.tar.xz) nor a weights piece: $pack"; exit 1 ;;
         esac
     done
@@ -133,6 +142,11 @@ start)
     fi
     tar -xJf "$pack" -C .corpus || exit 1
     [ -f .corpus/heldout.jsonl ] || { echo "no heldout.jsonl carried or staged"; exit 1; }
+    rm -f "$RUN/compile_cache.bin"
+    cache=("$STAGE"/cache/compile_cache.bin.part*)
+    if [ -e "${cache[0]}" ]; then  # the last stint's compiled step, for the trainer to reuse
+        cat "${cache[@]}" > "$RUN/compile_cache.bin" || exit 1
+    fi
     t0=$SECONDS
     # The machine's own packages, less any that a fetched part already holds.
     fetched=()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint
+from . import checkpoint, compile_cache
 from .config import load_config
 from .data import (
     CHUNK_CHARS,
@@ -46,6 +46,12 @@ def parse_args(argv=None):
         "--model-dir", type=Path, required=True, help="holds config.json and tokenizer.json"
     )
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="torch.compile's artifacts: loaded before the first step if the file exists, "
+        "written after it (engine.train.compile_cache); with --compile only",
+    )
     ap.add_argument(
         "--resume",
         type=Path,
@@ -306,6 +312,8 @@ def main(argv=None) -> None:
     )
     # The compiled step shares the module's parameters; checkpoints and evals use the plain module.
     step_loss = torch.compile(lm_loss) if args.compile else lm_loss
+    if args.compile and args.compile_cache:
+        print(compile_cache.load(args.compile_cache), flush=True)
 
     t_load = time.time()
     files = train_files(args.corpus)
@@ -397,6 +405,9 @@ def main(argv=None) -> None:
         state["step"] += 1
         state["tokens_seen"] += args.batch_rows * args.seq_len
         window_tokens += args.batch_rows * args.seq_len
+        if state["step"] == step0 + 1 and args.compile and args.compile_cache:
+            # The forward and backward are compiled by now: what the next stint can reuse.
+            print(compile_cache.save(args.compile_cache), flush=True)
 
         if state["step"] % args.log_every == 0 or state["step"] - step0 <= 3:
             now = time.time()
