@@ -413,7 +413,7 @@ def test_pack_splits_one_train_file_over_several_archives_in_order(tmp_path):
         )
 
 
-@pytest.mark.parametrize("part", ["extra", "extra2", "extra4", "extra5"])
+@pytest.mark.parametrize("part", ["extra", "extra2", "extra4", "extra5", "extra6"])
 def test_a_fetched_part_is_pinned_and_shares_no_package_with_the_other_parts(part):
     from engine.train.fetch_wheels import read_list, requirement_key
 
