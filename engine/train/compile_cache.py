@@ -42,9 +42,12 @@ def save(path: Path) -> str:
     if artifacts is None:
         return "compile cache: nothing compiled to save"
     data, info = artifacts
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except OSError as exc:  # a full or read-only disk costs the next stint its cache, no more
+        return f"compile cache: not saved to {path} ({exc})"
     kinds = {kind: len(keys) for kind, keys in info.artifacts.items()}
     return f"compile cache: saved {len(data):,} bytes to {path} {kinds}"

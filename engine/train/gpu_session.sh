@@ -9,9 +9,9 @@
 #                                       weights, kept as it is: a RESUME folder that arrives without
 #                                       weights gets them joined from the staged pieces (stage the
 #                                       first with --clear, so no other run's pieces are left);
-#                                       compile_cache.bin.partNN pieces are the last stint's
+#                                       compile_cache-GPU.bin.partNN pieces are a stint's
 #                                       compiled training step (engine.train.compile_cache),
-#                                       joined for the next start
+#                                       joined for the next start on a GPU of that name
 #   start PACK BUDGET_S [train args...]  unpack the carried corpus part, add the staged parts, build
 #                                       the rest from the machine's own stdlib and packages, launch
 #                                       training and watch it: resuming the embedded default
@@ -22,11 +22,13 @@
 #                                       starts again with FALLBACK's args (default --compile off)
 #   watch SECONDS                        print progress for that long, copy the latest checkpoint out
 #   finish                               wait for the run's end, copy checkpoint, log, curve out
+#   cache                                copy the compiled step's artifacts out, in a call of their
+#                                       own (a quantized export's pieces fill a call's return)
 #
 # Everything that must come back is copied under $OUT (checkpoint shards are <= 16 MB each; a run
 # with --fp8-block or --int4-group brings back its quantized export as model.safetensors.partNN, to be joined with cat,
-# and export.tgz with its config and training state; the compiled step's artifacts come back as
-# compile_cache.bin.partNN, to be staged as they are for the next stint).
+# and export.tgz with its config and training state; `cache` brings back
+# compile_cache-GPU.bin.partNN, to be staged as they are for the next stint).
 set -uo pipefail
 RUN=${RUN_DIR:-/tmp/wd-train}
 STAGE=${STAGE_DIR:-/tmp/wd-stage}  # outside the checkout, which each call replaces
@@ -47,13 +49,14 @@ copy_out() {  # the newest checkpoint, and one archive of the logs and the corpu
     elif [ -d "$RUN/out/ckpt" ]; then
         mkdir -p "$OUT/ckpt" && cp "$RUN/out/ckpt/"* "$OUT/ckpt/"
     fi
-    if [ -s "$RUN/compile_cache.bin" ]; then
-        split -b 15M -d "$RUN/compile_cache.bin" "$OUT/compile_cache.bin.part"
-    fi
     cp "$RUN/out/log.jsonl" "$RUN/out/loss.png" "$RUN/" 2>/dev/null
     (cd "$RUN" && tar -czf "$OUT/records.tgz" $(ls train.log log.jsonl loss.png manifest-gpu.json \
         heldout-gpu.txt 2>/dev/null))
     true
+}
+
+gpu_tag() {  # this GPU's name as a file-name part: a cache serves only the GPU it was made on
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' '_' | tr -d '\n'
 }
 
 running() { [ -f "$RUN/pid" ] && kill -0 "$(cat "$RUN/pid")" 2>/dev/null; }
@@ -116,8 +119,8 @@ stage)
         case $pack in
         *.tar.xz) tar -xJf "$pack" -C "$STAGE" || exit 1 ;;
         *model.safetensors.part*) mkdir -p "$STAGE/pieces" && cp "$pack" "$STAGE/pieces/" || exit 1 ;;
-        *compile_cache.bin.part*) mkdir -p "$STAGE/cache" && cp "$pack" "$STAGE/cache/" || exit 1 ;;
-        *) echo "neither a corpus part (.tar.xz) nor a weights piece: $pack"; exit 1 ;;
+        *compile_cache-*.bin.part*) mkdir -p "$STAGE/cache" && cp "$pack" "$STAGE/cache/" || exit 1 ;;
+        *) echo "neither a corpus part (.tar.xz), a weights piece nor a cache piece: $pack"; exit 1 ;;
         esac
     done
     ls -la "$STAGE"
@@ -143,8 +146,8 @@ start)
     tar -xJf "$pack" -C .corpus || exit 1
     [ -f .corpus/heldout.jsonl ] || { echo "no heldout.jsonl carried or staged"; exit 1; }
     rm -f "$RUN/compile_cache.bin"
-    cache=("$STAGE"/cache/compile_cache.bin.part*)
-    if [ -e "${cache[0]}" ]; then  # the last stint's compiled step, for the trainer to reuse
+    cache=("$STAGE"/cache/compile_cache-"$(gpu_tag)".bin.part*)
+    if [ -e "${cache[0]}" ]; then  # a stint's compiled step on this GPU, for the trainer to reuse
         cat "${cache[@]}" > "$RUN/compile_cache.bin" || exit 1
     fi
     t0=$SECONDS
@@ -167,6 +170,7 @@ start)
         fallback=${FALLBACK:---compile off}
         tail -30 "$RUN/train.log"; echo "the first step failed: falling back to $fallback"
         stop
+        rm -f "$RUN/compile_cache.bin"  # the uncompiled run writes none: carry no suspect one on
         # shellcheck disable=SC2086
         launch --budget-s "$((budget - SECONDS))" "$@" $fallback
     fi
@@ -187,5 +191,16 @@ finish)  # within the call's limit; a run still going then is left to a later "f
     tail -5 "$RUN/train.log"
     copy_out
     ;;
-*) sed -n 2,14p "$0"; exit 2 ;;
+cache)
+    # 4 pieces of 15 MiB at most: a call brings back 64 MiB.
+    if [ ! -s "$RUN/compile_cache.bin" ]; then
+        echo "no compiled step's cache here (the run did not compile, or was given back)"
+    elif [ "$(stat -c %s "$RUN/compile_cache.bin")" -gt $((60 * 1024 * 1024)) ]; then
+        echo "the compiled step's cache is over 60 MiB: not brought back"
+    else
+        split -b 15M -d "$RUN/compile_cache.bin" "$OUT/compile_cache-$(gpu_tag).bin.part"
+        ls -la "$OUT"/compile_cache-*
+    fi
+    ;;
+*) sed -n '2,/^set -uo pipefail$/p' "$0" | sed '$d'; exit 2 ;;
 esac

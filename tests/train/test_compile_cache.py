@@ -71,21 +71,27 @@ def test_a_missing_or_damaged_cache_is_a_miss_not_an_error(tmp_path):
     assert "not loaded" in compile_cache.load(damaged)
 
 
-def test_gpu_session_brings_the_cache_back_in_pieces_and_joins_them_for_the_next_start(tmp_path):
+def test_gpu_session_joins_this_gpus_cache_and_brings_it_back_in_a_call_of_its_own(tmp_path):
     _packed_corpus(tmp_path)
     carried = bytes(range(256)) * 300
-    for i, piece in enumerate((carried[:30_000], carried[30_000:])):
-        _write(tmp_path / f"compile_cache.bin.part{i:02d}", "").write_bytes(piece)
-    staged = _gpu_session(
-        tmp_path, "stage", "--clear", "compile_cache.bin.part00", "compile_cache.bin.part01"
-    )
+    pieces = {
+        "compile_cache-stub_gpu.bin.part00": carried[:30_000],
+        "compile_cache-stub_gpu.bin.part01": carried[30_000:],
+        "compile_cache-OTHER_GPU.bin.part00": b"another GPU's kernels",
+    }
+    for name, piece in pieces.items():
+        _write(tmp_path / name, "").write_bytes(piece)
+    staged = _gpu_session(tmp_path, "stage", "--clear", *pieces)
     assert staged.returncode == 0, staged.stdout + staged.stderr
     done = _gpu_session(tmp_path, "start", "p.tar.xz", "100", CALL_S="1")
     assert done.returncode == 0, done.stdout + done.stderr
     joined = tmp_path / "run" / "compile_cache.bin"
-    assert joined.read_bytes() == carried
+    assert joined.read_bytes() == carried  # the stub GPU's pieces alone, in order
     trainer = (tmp_path / "stub.log").read_text().splitlines()[1]
     assert f"--compile-cache {joined} " in trainer
-    # What the call brings back, to be staged as it is next time.
-    back = sorted((tmp_path / "o").glob("compile_cache.bin.part*"))
-    assert back and b"".join(p.read_bytes() for p in back) == carried
+    # The start and finish calls bring back the model; the cache comes back in its own call.
+    assert not list((tmp_path / "o").glob("compile_cache*"))
+    back = _gpu_session(tmp_path, "cache")
+    assert back.returncode == 0, back.stdout + back.stderr
+    pieces_back = sorted((tmp_path / "o").glob("compile_cache-stub_gpu.bin.part*"))
+    assert pieces_back and b"".join(p.read_bytes() for p in pieces_back) == carried
