@@ -298,8 +298,7 @@ def default_configs(
     }
     # The one-launch form (persistent_moe) only where it was chosen for the batch whose tiles
     # these are: a batch the tuner never timed it at runs the pair. 0 or absent: the pair.
-    key = tuned.nearest_key(table.get("down"), tokens)
-    persistent = table.get("persistent", {}).get(key, 0) if key is not None else 0
+    persistent = table.get("persistent", {}).get(tuned.nearest_key(table.get("down"), tokens), 0)
     if persistent:
         cfg["persistent"] = persistent
     return cfg

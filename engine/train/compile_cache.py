@@ -28,8 +28,7 @@ def load(path: Path) -> str:
         return f"compile cache: {path} not loaded ({type(exc).__name__}: {exc})"
     if info is None:  # torch logs why (a damaged file, another torch's format)
         return f"compile cache: {path} not loaded (nothing usable in it)"
-    kinds = {kind: len(keys) for kind, keys in info.artifacts.items()}
-    return f"compile cache: loaded {path.stat().st_size:,} bytes from {path} {kinds}"
+    return f"compile cache: loaded {path.stat().st_size:,} bytes from {path} {_kinds(info)}"
 
 
 def save(path: Path) -> str:
@@ -49,5 +48,9 @@ def save(path: Path) -> str:
         os.replace(partial, path)
     except OSError as exc:  # a full or read-only disk costs the next stint its cache, no more
         return f"compile cache: not saved to {path} ({exc})"
-    kinds = {kind: len(keys) for kind, keys in info.artifacts.items()}
-    return f"compile cache: saved {len(data):,} bytes to {path} {kinds}"
+    return f"compile cache: saved {len(data):,} bytes to {path} {_kinds(info)}"
+
+
+def _kinds(info) -> dict[str, int]:
+    """How many artifacts of each kind (Inductor, AOTAutograd, autotuning ...), for the log."""
+    return {kind: len(keys) for kind, keys in info.artifacts.items()}

@@ -312,8 +312,9 @@ def main(argv=None) -> None:
     )
     # The compiled step shares the module's parameters; checkpoints and evals use the plain module.
     step_loss = torch.compile(lm_loss) if args.compile else lm_loss
-    if args.compile and args.compile_cache:
-        print(compile_cache.load(args.compile_cache), flush=True)
+    cache_path = args.compile_cache if args.compile else None  # nothing to cache uncompiled
+    if cache_path:
+        print(compile_cache.load(cache_path), flush=True)
 
     t_load = time.time()
     files = train_files(args.corpus)
@@ -405,9 +406,9 @@ def main(argv=None) -> None:
         state["step"] += 1
         state["tokens_seen"] += args.batch_rows * args.seq_len
         window_tokens += args.batch_rows * args.seq_len
-        if state["step"] == step0 + 1 and args.compile and args.compile_cache:
+        if cache_path and state["step"] == step0 + 1:
             # The forward and backward are compiled by now: what the next stint can reuse.
-            print(compile_cache.save(args.compile_cache), flush=True)
+            print(compile_cache.save(cache_path), flush=True)
 
         if state["step"] % args.log_every == 0 or state["step"] - step0 <= 3:
             now = time.time()
