@@ -172,14 +172,33 @@ FUSION_STEPS = (
 )
 
 
-def step_variants(cfg, batch: int, context: int):
-    """(name, the step's kernels) to time against the default."""
+STAGES = ("check", "decode", "split", "variants", "eager", "prefill", "compare")
+
+
+def parse_variants(spec: str) -> tuple[tuple[str, ...], ...]:
+    """--variants: fusion sets separated by "|", each its fusions joined by "+" ("unfused" for
+    none), as step_variants labels them: "unfused|router|router+pdl"."""
+    steps = []
+    for item in spec.split("|"):
+        names = () if item.strip() == "unfused" else tuple(n.strip() for n in item.split("+"))
+        unknown = set(names) - set(FUSIONS)
+        if unknown or not item.strip():
+            raise ValueError(f"bad variant {item!r}: fusions are {FUSIONS} (or 'unfused')")
+        steps.append(names)
+    return tuple(steps)
+
+
+def step_variants(cfg, batch: int, context: int, fusion_steps=None):
+    """(name, the step's kernels) to time against the default: `fusion_steps` (default
+    FUSION_STEPS, then all fusions at other attention splits)."""
     from kernels.paged_attention import default_splits
 
     auto = default_splits(batch, cfg.num_kv_heads, context + 16)
-    for names in FUSION_STEPS:
+    for names in fusion_steps or FUSION_STEPS:
         label = "+".join(names) if names else "unfused"
         yield f"{label} ({auto} splits)", StepKernels(fusions=frozenset(names))
+    if fusion_steps:
+        return
     for splits in (8, 16, 32):
         if splits != auto:
             yield (
@@ -264,8 +283,23 @@ def main(argv=None) -> int:
         choices=("fp8", "int4"),
         help="projections quantized by the project's quantizer (FP8 blocks / int4 groups of 128)",
     )
+    ap.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help=f"what to run, of {','.join(STAGES)} (check: the fused steps' logits against the "
+        "unfused step; compare: the quantized step against bf16 and transformers)",
+    )
+    ap.add_argument(
+        "--variants",
+        type=parse_variants,
+        help='step variants to time, e.g. "unfused|router|router+pdl" (default: fusions added '
+        "one at a time, then all of them at other attention splits)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    stages = set(args.stages.split(","))
+    if stages - set(STAGES):
+        ap.error(f"unknown stages {sorted(stages - set(STAGES))}; known: {','.join(STAGES)}")
 
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -321,115 +355,122 @@ def main(argv=None) -> int:
     graph_tokens = max_context + 16
 
     # -- the fused step against the unfused one first: timings of a wrong step mean nothing ------
-    log("\nfused steps against the unfused step (4 layers of the shape)")
-    results["fused_vs_unfused"] = [
-        row
-        for batch in sorted({split_batch, *batches})
-        for row in fused_against_unfused(
-            SHAPES[args.shape], args.quant, dtype, args.device, batch, split_context, log
-        )
-    ]
-    save()
+    if "check" in stages:
+        log("\nfused steps against the unfused step (4 layers of the shape)")
+        results["fused_vs_unfused"] = [
+            row
+            for batch in sorted({split_batch, *batches})
+            for row in fused_against_unfused(
+                SHAPES[args.shape], args.quant, dtype, args.device, batch, split_context, log
+            )
+        ]
+        save()
 
     # -- decode: the engine's step, warp decode and expert-centric ---------------------------------
-    log(
-        "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, "
-        "fraction of the floor"
-    )
-    decode = []
-    paths = (
-        ("warp", None, StepKernels()),  # the engine's step
-        ("warp unfused", None, UNFUSED),
-        ("warp all fusions", None, ALL_FUSED),
-        ("expert_centric", expert_centric_moe, StepKernels()),
-    )
-    for moe_name, moe_fn, kernels in paths:
-        path_model = model.with_options(moe_fn=moe_fn)
-        for batch in batches:
-            graphs = DecodeGraphs(path_model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
-            for context in contexts:
-                if moe_name == "expert_centric" and context != split_context:
-                    continue  # the comparison of MoE paths at one context is enough
-                seconds = bench.step_time(graphs, batch, context)
-                parts = step_bytes(cfg, batch, context, args.quant)
-                row = dict(
-                    moe=moe_name,
-                    batch=batch,
-                    context=context,
-                    step_ms=seconds * 1e3,
-                    tok_s=batch / seconds,
-                    bytes=sum(parts.values()),
-                    bytes_by_part=parts,
+    if "decode" in stages:
+        log(
+            "\ndecode, batch x context: ms per step, tokens/s (all sequences), floor, "
+            "fraction of the floor"
+        )
+        decode = []
+        paths = (
+            ("warp", None, StepKernels()),  # the engine's step
+            ("warp unfused", None, UNFUSED),
+            ("warp all fusions", None, ALL_FUSED),
+            ("expert_centric", expert_centric_moe, StepKernels()),
+        )
+        for moe_name, moe_fn, kernels in paths:
+            path_model = model.with_options(moe_fn=moe_fn)
+            for batch in batches:
+                graphs = DecodeGraphs(
+                    path_model, pool, graph_tokens, buckets=(batch,), kernels=kernels
                 )
-                if bandwidth:
-                    row["floor_ms"] = row["bytes"] / bandwidth * 1e3
-                    row["floor_tok_s"] = batch / (row["bytes"] / bandwidth)
-                    row["of_floor"] = row["floor_ms"] / row["step_ms"]
-                decode.append(row)
-                floor = (
-                    f"{row['floor_ms']:7.3f} ms {row['floor_tok_s']:7.0f} tok/s "
-                    f"{row['of_floor']:5.0%}"
-                    if bandwidth
-                    else ""
-                )
-                log(
-                    f"  {moe_name:>16} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
-                    f"{row['tok_s']:8.1f} tok/s  {floor}"
-                )
-            del graphs
-            results["decode"] = decode
-            save()
+                for context in contexts:
+                    if moe_name == "expert_centric" and context != split_context:
+                        continue  # the comparison of MoE paths at one context is enough
+                    seconds = bench.step_time(graphs, batch, context)
+                    parts = step_bytes(cfg, batch, context, args.quant)
+                    row = dict(
+                        moe=moe_name,
+                        batch=batch,
+                        context=context,
+                        step_ms=seconds * 1e3,
+                        tok_s=batch / seconds,
+                        bytes=sum(parts.values()),
+                        bytes_by_part=parts,
+                    )
+                    if bandwidth:
+                        row["floor_ms"] = row["bytes"] / bandwidth * 1e3
+                        row["floor_tok_s"] = batch / (row["bytes"] / bandwidth)
+                        row["of_floor"] = row["floor_ms"] / row["step_ms"]
+                    decode.append(row)
+                    floor = (
+                        f"{row['floor_ms']:7.3f} ms {row['floor_tok_s']:7.0f} tok/s "
+                        f"{row['of_floor']:5.0%}"
+                        if bandwidth
+                        else ""
+                    )
+                    log(
+                        f"  {moe_name:>16} B={batch:<2} ctx={context:<6} {row['step_ms']:8.3f} ms "
+                        f"{row['tok_s']:8.1f} tok/s  {floor}"
+                    )
+                del graphs
+                results["decode"] = decode
+                save()
 
     # -- where a step's time goes ------------------------------------------------------------------
-    log(
-        f"\nsplit of a step at B={split_batch}, ctx={split_context} "
-        "(leave a stage out, take differences)"
-    )
-    split = {}
-    for name, moe_fn, attention in (
-        ("full", None, None),
-        ("no_moe", zero_moe, None),
-        ("no_attention", None, skip_attention),
-        ("neither", zero_moe, skip_attention),
-    ):
-        stage_model = model.with_options(moe_fn=moe_fn)
-        kernels = StepKernels() if attention is None else StepKernels(attention=attention)
-        graphs = DecodeGraphs(
-            stage_model, pool, graph_tokens, buckets=(split_batch,), kernels=kernels
+    if "split" in stages:
+        log(
+            f"\nsplit of a step at B={split_batch}, ctx={split_context} "
+            "(leave a stage out, take differences)"
         )
-        split[name] = bench.step_time(graphs, split_batch, split_context) * 1e3
-        del graphs
-    split["moe"] = split["full"] - split["no_moe"]
-    split["attention"] = split["full"] - split["no_attention"]
-    split["rest"] = split["neither"]
-    results["split_ms"] = split
-    log("  " + ", ".join(f"{k} {v:.3f} ms" for k, v in split.items()))
+        split = {}
+        for name, moe_fn, attention in (
+            ("full", None, None),
+            ("no_moe", zero_moe, None),
+            ("no_attention", None, skip_attention),
+            ("neither", zero_moe, skip_attention),
+        ):
+            stage_model = model.with_options(moe_fn=moe_fn)
+            kernels = StepKernels() if attention is None else StepKernels(attention=attention)
+            graphs = DecodeGraphs(
+                stage_model, pool, graph_tokens, buckets=(split_batch,), kernels=kernels
+            )
+            split[name] = bench.step_time(graphs, split_batch, split_context) * 1e3
+            del graphs
+        split["moe"] = split["full"] - split["no_moe"]
+        split["attention"] = split["full"] - split["no_attention"]
+        split["rest"] = split["neither"]
+        results["split_ms"] = split
+        log("  " + ", ".join(f"{k} {v:.3f} ms" for k, v in split.items()))
 
     # -- kernel choices for the step, side by side (each its own graph) ----------------------------
-    variants = {}
-    for batch in sorted({split_batch, *batches}):
-        for name, kernels in step_variants(cfg, batch, split_context):
-            graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
-            ms = bench.step_time(graphs, batch, split_context) * 1e3
-            variants[f"B{batch} {name}"] = ms
-            log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
-            del graphs
-    results["step_variants_ms"] = variants
-    save()
+    if "variants" in stages:
+        variants = {}
+        for batch in sorted({split_batch, *batches}):
+            for name, kernels in step_variants(cfg, batch, split_context, args.variants):
+                graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
+                ms = bench.step_time(graphs, batch, split_context) * 1e3
+                variants[f"B{batch} {name}"] = ms
+                log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
+                del graphs
+        results["step_variants_ms"] = variants
+        save()
 
-    graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)
-    eager_step = bench.step_time(graphs, split_batch, split_context) * 1e3
-    eager_forward = bench.eager_forward_time(split_batch, split_context) * 1e3
-    results["eager_ms"] = dict(step_without_graph=eager_step, plain_forward=eager_forward)
-    log(
-        f"  same step without the graph {eager_step:.2f} ms; "
-        f"the plain eager forward {eager_forward:.2f} ms"
-    )
-    del graphs
-    save()
+    if "eager" in stages:
+        graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(split_batch,), capture=False)
+        eager_step = bench.step_time(graphs, split_batch, split_context) * 1e3
+        eager_forward = bench.eager_forward_time(split_batch, split_context) * 1e3
+        results["eager_ms"] = dict(step_without_graph=eager_step, plain_forward=eager_forward)
+        log(
+            f"  same step without the graph {eager_step:.2f} ms; "
+            f"the plain eager forward {eager_forward:.2f} ms"
+        )
+        del graphs
+        save()
 
     # -- prefill -----------------------------------------------------------------------------------
-    if args.prefill:
+    if args.prefill and "prefill" in stages:
         prefill = {}
         for chunk in (args.prefill, 512):
             seconds = bench.prefill_time(args.prefill, chunk)
@@ -441,10 +482,12 @@ def main(argv=None) -> int:
         results["prefill"] = prefill
         save()
 
-    if args.quant:
+    if "compare" in stages and args.quant:
         results["vs_dequantized"] = compare_with_dequantized(model, 16, 64, log)
         save()
-    if args.transformers and not args.quant:  # transformers runs the dequantized weights
+    if (
+        "compare" in stages and args.transformers and not args.quant
+    ):  # transformers runs the dequantized weights
         try:
             results["transformers"] = compare_transformers(
                 model, [int(c) for c in args.hf_contexts.split(",")], args.hf_new_tokens, log

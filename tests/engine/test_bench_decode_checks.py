@@ -1,5 +1,8 @@
 """engine.bench.decode's check of the fused steps, on the CPU (Triton's interpreter)."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from engine.bench.decode import fused_against_unfused
@@ -15,3 +18,22 @@ def test_every_fused_step_gives_the_unfused_steps_logits():
     assert [r["variant"] for r in rows] == [*FUSIONS, "engine's step", "all fusions"]
     assert all(r["rel"] < 1e-5 and r["replays_identical"] for r in rows), rows
     assert len(lines) == len(rows)
+
+
+def test_chosen_step_variants_are_timed_as_named():
+    from engine.bench.decode import parse_variants, step_variants
+
+    steps = parse_variants("unfused|router|router+pdl")
+    assert steps == ((), ("router",), ("router", "pdl"))
+    cfg = SimpleNamespace(num_kv_heads=4)
+    variants = dict(step_variants(cfg, batch=1, context=64, fusion_steps=steps))
+    assert [name.split(" ")[0] for name in variants] == ["unfused", "router", "router+pdl"]
+    assert [k.fusions for k in variants.values()] == [set(), {"router"}, {"router", "pdl"}]
+
+
+def test_a_variant_naming_an_unknown_fusion_is_refused():
+    from engine.bench.decode import parse_variants
+
+    for spec in ("router+fast", "router||pdl"):
+        with pytest.raises(ValueError, match="bad variant"):
+            parse_variants(spec)
