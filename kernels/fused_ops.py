@@ -32,10 +32,14 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no wait for it
+    wait(PDL)  # x and delta are the step's earlier outputs
     x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         # The residual stream is rounded to its dtype after the add, as x + delta does in torch.
@@ -47,13 +51,20 @@ def _add_rms_norm_kernel(
     x = x.to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * hidden + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(s, rms_norm(s)) with s = x + delta (s = x when delta is None); x, delta [T, H]."""
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    pdl: bool = False,
+):
+    """(s, rms_norm(s)) with s = x + delta (s = x when delta is None); x, delta [T, H].
+    `pdl`: launched as a link of a PDL chain (kernels.pdl)."""
     tokens, hidden = x.shape
+    pdl = pdl and pdl_supported(x.device)
     x = x.contiguous()
     total = torch.empty_like(x) if delta is not None else x
     out = torch.empty_like(x)
@@ -68,7 +79,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         eps,
         HAS_DELTA=delta is not None,
         BLOCK=block,
+        PDL=pdl,
         num_warps=max(1, min(8, block // 256)),
+        **launch_options(pdl),
     )
     return total, out
 

@@ -104,7 +104,7 @@ class StepOps:
             from kernels.gemv import norm_linear
 
             return norm_linear(x, delta, norm_weight, self.eps, w, bias, pdl=self.pdl)
-        x, h = add_rms_norm(x, delta, norm_weight, self.eps)
+        x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)
         return x, self.linear(h, w, bias)
 
     def norm_route(self, x, delta, norm_weight, router, top_k: int, norm_topk_prob: bool):
@@ -126,13 +126,15 @@ class StepOps:
                 pdl=self.pdl,
             )
             return s, h, (ids, weights)
-        x, h = add_rms_norm(x, delta, norm_weight, self.eps)
+        x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)
         return x, h, None
 
     def attention(self, *args, n_splits: int):
         """The step's paged decode attention (paged_decode_attention's arguments)."""
-        if not self.attention_merge:
+        if self.attention_fn is not paged_decode_attention:  # a benchmark's stand-in
             return self.attention_fn(*args, n_splits=n_splits)
+        if not self.attention_merge:
+            return self.attention_fn(*args, n_splits=n_splits, pdl=self.pdl)
         return self.attention_fn(
             *args,
             n_splits=n_splits,

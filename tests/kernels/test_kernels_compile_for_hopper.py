@@ -79,6 +79,7 @@ def test_every_kernel_compiles_for_hopper():
     assert "norm_route: built" in run.stdout, run.stdout
     assert "qk norm rope store: built" in run.stdout, run.stdout
     assert "paged attention fused merge: built" in run.stdout, run.stdout
+    assert "add rms norm: built" in run.stdout, run.stdout
 
 
 def warp_decode_compiles(fmt):
@@ -252,6 +253,26 @@ def qk_norm_rope_store_compiles():
         assert "griddepcontrol" in ptx
 
 
+def add_rms_norm_compiles():
+    """The residual add + RMSNorm in a PDL chain: only its weight is read before the wait, and
+    nothing is stored before it."""
+    pointers = dict(x_ptr="bf16", delta_ptr="bf16", w_ptr="bf16", sum_ptr="bf16", out_ptr="bf16")
+    ptx = compile_for_hopper(
+        fused_ops._add_rms_norm_kernel,
+        pointers,
+        dict(HAS_DELTA=True, BLOCK=2048, PDL=True),
+        scalars=dict(eps="fp32"),
+        divisible=("hidden",),
+        num_warps=8,
+        launch_pdl=True,
+    )
+    wait = ptx.index("griddepcontrol.wait")
+    assert "griddepcontrol.launch_dependents" in ptx
+    # The weight, x and delta rows are read in as many loads each: a third before the wait.
+    assert 3 * ptx[:wait].count("ld.global") == ptx.count("ld.global") > 0
+    assert wait < ptx.index("st.global")
+
+
 def paged_attention_fused_merge_compiles():
     """The one-launch split kernel (the last split program of a (sequence, kv head) merges),
     with bf16 and fp8 storage, in a PDL chain."""
@@ -334,6 +355,8 @@ def main() -> int:
     print("qk norm rope store: built", flush=True)
     paged_attention_fused_merge_compiles()
     print("paged attention fused merge: built", flush=True)
+    add_rms_norm_compiles()
+    print("add rms norm: built", flush=True)
     return 0
 
 
