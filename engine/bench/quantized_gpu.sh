@@ -5,6 +5,8 @@
 #   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
+#   variants  the decode step's fusion sets side by side in bf16, FP8 and int4 (VARIANTS; each
+#           checked against the unfused step's logits first)
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
 #   latency the latency suite on FP8 under a 40 GB cap (keystroke -> first token with cache and
 #           warm-up); a machine without the language server's packages needs the wheels of
@@ -16,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-moe,decode,fit,latency}
+STAGES=${STAGES:-moe,decode,variants,fit,latency}
 MOE_ARGS=${MOE_ARGS:-}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -36,6 +38,16 @@ if has decode; then
         "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
             --prefill 4096 --no-transformers $flag --out "$OUT/decode_$quant.json" 2>&1 \
             | tee "$OUT/decode_$quant.log"
+    done
+fi
+if has variants; then
+    variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
+    for quant in fp8 int4 bf16; do
+        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+        # shellcheck disable=SC2086
+        "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
+            --prefill 0 --no-transformers --stages check,variants --variants "$variants" $flag \
+            --out "$OUT/variants_$quant.json" 2>&1 | tee "$OUT/variants_$quant.log"
     done
 fi
 if has fit; then
