@@ -200,6 +200,14 @@ class KernelWeight:
         kernels read a scale per column, so any tile width."""
         return self.scale_cols if self.format == INT4_GROUPS else 1
 
+    def warp_tile_cols(self, block: int) -> int:
+        """Warp decode's step of at most `block` input columns: within one int4 group, or whole
+        groups where the group is a power of two (the kernels then read a scale per word);
+        any width for FP8 and plain weights. At least two words."""
+        groups = self.format == INT4_GROUPS and self.scale_cols & (self.scale_cols - 1) == 0
+        cols = block if groups and block >= self.scale_cols else scale_tile(block, self.tile_cols)
+        return max(cols, 2 * self.per_item)
+
 
 # The kernels' narrowest tile along the input columns: one scale per tile, two words or more.
 MIN_TILE_COLS = 2 * PACK

@@ -410,12 +410,11 @@ def gate_up_silu(
 
 
 def _gate_up_tiles(cfg: dict, w, hidden: int, inter: int) -> tuple[int, int]:
-    """Kernel 1's (BLOCK_I, BLOCK_H) for weight w: a tile never straddles two scales (FP8
-    blocks, int4 groups), nor spans less than a word. Up rows start at row `inter`: a tile must
-    not straddle a block there either."""
+    """Kernel 1's (BLOCK_I, BLOCK_H) for weight w: a tile never straddles two FP8 blocks' rows,
+    its steps lie within an int4 group or span whole ones (KernelWeight.warp_tile_cols). Up rows
+    start at row `inter`: a tile must not straddle a block there either."""
     block_i = scale_tile(_fit(cfg["BLOCK_I"], inter), math.gcd(w.scale_rows, inter))
-    block_h = max(scale_tile(_fit(cfg["BLOCK_H"], hidden), w.tile_cols), 2 * w.per_item)
-    return block_i, block_h
+    return block_i, w.warp_tile_cols(_fit(cfg["BLOCK_H"], hidden))
 
 
 def _down_tiles(cfg: dict, w, hidden: int, inter: int, top_k: int) -> tuple[int, int, int]:
@@ -426,8 +425,7 @@ def _down_tiles(cfg: dict, w, hidden: int, inter: int, top_k: int) -> tuple[int,
     block_i = _fit(cfg["BLOCK_I"], inter)
     while k_pad * block_h * block_i > DOWN_TILE_BUDGET and block_i > 16:
         block_i //= 2  # many experts per token: keep the 3-D tile in registers
-    block_i = max(scale_tile(block_i, w.tile_cols), 2 * w.per_item)
-    return k_pad, block_h, block_i
+    return k_pad, block_h, w.warp_tile_cols(block_i)
 
 
 def _launch_opts(cfg: dict, pdl: bool = False) -> dict:

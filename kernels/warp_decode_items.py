@@ -71,6 +71,25 @@ def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _int4_row_scales(
+    s_ptrs, h0, cols, mask_i, n_cols, STEP_COLS: tl.constexpr, SCALE_COLS: tl.constexpr
+):
+    """The scales of a gate/up step of STEP_COLS columns from h0 (`cols` [C]: its words' first
+    columns; s_ptrs [R]: each row's scales): one a row [R, 1] where the step lies within a
+    group, else one a word [R, C] (a step of whole groups: the weights of a step stay as many
+    bytes as a bf16 tile's even where groups are narrow)."""
+    tl.static_assert(STEP_COLS > SCALE_COLS or SCALE_COLS % STEP_COLS == 0)
+    if STEP_COLS <= SCALE_COLS:
+        scales = tl.load(s_ptrs + h0 // SCALE_COLS, mask=mask_i, other=0.0).to(tl.float32)
+        scales = scales[:, None]
+    else:
+        mask = mask_i[:, None] & (cols < n_cols)[None, :]
+        groups = (cols // SCALE_COLS)[None, :]
+        scales = tl.load(s_ptrs[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
+    return scales
+
+
+@triton.jit
 def gate_up_item(
     x_ptr,
     w_ptr,
@@ -116,7 +135,7 @@ def gate_up_item(
         up_s_ptr = (
             s_ptr + expert * stride_se + ((inter + pid_i * BLOCK_I) // SCALE_ROWS) * stride_sn
         )
-    else:  # int4: one scale per row and tile (tiles never straddle groups)
+    else:  # int4: a scale per row and group
         gate_s_ptr = s_ptr + expert * stride_se + offs_i * stride_sn
         up_s_ptr = gate_s_ptr + inter * stride_sn
 
@@ -151,13 +170,15 @@ def gate_up_item(
             acc_gate += fp8_values(gate) * gate_x[None, :]
             acc_up += fp8_values(up) * up_x[None, :]
         else:
-            # The step lies within one group: its (row, group) scale multiplies the step's sum.
-            gate_q, up_q = _int4_gate_up_sums(gate, up, x_row, h0 + 8 * offs_c, hidden, EVEN_H)
-            group = h0 // SCALE_COLS
-            gate_s = tl.load(gate_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
-            up_s = tl.load(up_s_ptr + group, mask=mask_i, other=0.0).to(tl.float32)
-            acc_gate += gate_q * gate_s[:, None]
-            acc_up += up_q * up_s[:, None]
+            # A word's eight products are summed, then scaled by its (row, group) scale.
+            cols = h0 + 8 * offs_c
+            gate_q, up_q = _int4_gate_up_sums(gate, up, x_row, cols, hidden, EVEN_H)
+            acc_gate += gate_q * _int4_row_scales(
+                gate_s_ptr, h0, cols, mask_i, hidden, BLOCK_H, SCALE_COLS
+            )
+            acc_up += up_q * _int4_row_scales(
+                up_s_ptr, h0, cols, mask_i, hidden, BLOCK_H, SCALE_COLS
+            )
         x_ptrs += BLOCK_H
         gate_ptrs += BLOCK_H // PER_ITEM
         up_ptrs += BLOCK_H // PER_ITEM

@@ -23,7 +23,7 @@ def test_int4_warp_decode_variants_compile_for_hopper():
 
     run = run_without_interpreter("tests.kernels.test_int4_warp_decode_compiles")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "int4 warp decode: compiled 4 gate/up and 16 down variants" in run.stdout, run.stdout
+    assert "int4 warp decode: compiled 6 gate/up and 16 down variants" in run.stdout, run.stdout
 
 
 def compile_int4(kernel: str, pointers: dict, constants: dict) -> str:
@@ -64,7 +64,8 @@ def main() -> int:
     n_gate_up = n_down = 0
     for even in (True, False):
         # Pipelined loops (loop_stages 3) in the ragged variants too: their async copies are masked.
-        for block_h, stages in ((64, 1), (128, 3)):
+        # Steps within a group of 128 columns, and of four whole groups (a scale per word).
+        for block_h, stages in ((64, 1), (128, 3), (512, 1)):
             ptx = gate_up_ptx(even, block_h, stages)
             assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
             assert "ld.global" not in before_wait(ptx) and "cp.async" not in before_wait(ptx)

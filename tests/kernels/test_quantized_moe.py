@@ -80,11 +80,11 @@ def relative_error(y, ref) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-# The loop's int4 steps stay within a group along the input columns, so raggedness is in the
-# rows: row blocks past the size (a ragged last block, after full ones), and padded top-k slots
-# (3 -> 4). Column steps: one per group, or several (groups of 128, steps of 64 or fewer). A
-# preload wider than a group (64 columns over groups of 32, then three loop steps; or the whole
-# row, masked past its end) takes a scale per word.
+# Raggedness in the rows: row blocks past the size (a ragged last block, after full ones), and
+# padded top-k slots (3 -> 4). Column steps: several per group (groups of 128, steps of 64 or
+# fewer), one per group, or whole groups (WIDE_STEPS). A step or a preload wider than a group
+# (64 columns over groups of 32, then three loop steps; or the whole row, masked past its end)
+# takes a scale per word.
 ROWS_64 = {
     "gate_up": {"BLOCK_I": 64, "BLOCK_H": 64, "num_warps": 4},
     "down": {"BLOCK_H": 64, "BLOCK_I": 128, "num_warps": 4},
@@ -93,12 +93,19 @@ ROWS_256 = {
     "gate_up": {"BLOCK_I": 256, "BLOCK_H": 64, "num_warps": 4},
     "down": {"BLOCK_H": 256, "BLOCK_I": 128, "num_warps": 4},
 }
+# Steps of four groups of 32 (a scale per word), ragged at the ends of H and I or not.
+WIDE_STEPS = {
+    "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 4},
+    "down": {"BLOCK_H": 16, "BLOCK_I": 128, "num_warps": 4},
+}
 # (tokens, hidden, inter, experts, top_k, group, config): H and I are odd multiples of the group.
 INT4_CASES = [
     (1, 96, 160, 8, 1, 32, ROWS_64),  # rows 64 + 32 (down), 2 x 64 + 32 (gate/up)
     (3, 96, 160, 8, 3, 32, ROWS_64),
     (1, 384, 640, 8, 3, 128, ROWS_256),  # rows 256 + 128 (down), 2 x 256 + 128 (gate/up)
     (2, 384, 640, 6, 1, 128, ROWS_256),
+    (2, 160, 96, 8, 3, 32, WIDE_STEPS),  # H: a step of 4 groups, then 1; I: 3 groups of 4
+    (3, 256, 256, 8, 2, 32, WIDE_STEPS),
 ]
 
 
