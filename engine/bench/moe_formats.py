@@ -91,26 +91,79 @@ def error(fn, args) -> float:
     return float((y - ref).norm() / ref.norm())
 
 
-def warp_candidates():
-    """Warp decode configs to sweep: kernel 1's rows x columns per program, kernel 2's rows,
-    columns per step and columns loaded before its PDL wait (True: one step's)."""
-    for (bi, bh, warps), (dh, di, pdl, preload) in itertools.product(
-        [(1, 2048, 4), (2, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4)],
-        [
-            (2, 128, True, True),
-            (4, 128, True, True),
-            (8, 128, True, True),
-            (4, 256, True, True),
-            (4, 128, False, False),
-            (8, 128, True, 512),
-            (4, 128, True, 1024),
-            (8, 128, True, 1024),
-        ],
-    ):
-        yield {
-            "gate_up": {"BLOCK_I": bi, "BLOCK_H": bh, "num_warps": warps},
-            "down": {"BLOCK_H": dh, "BLOCK_I": di, "num_warps": 4, "pdl": pdl, "preload": preload},
-        }
+# Warp decode's tiles to sweep: kernel 1's (rows, columns, warps) per program, kernel 2's (rows,
+# columns per step, pdl, columns loaded before its PDL wait (True: one step's)).
+GATE_UP_TILES = [(1, 2048, 4), (2, 1024, 4), (2, 512, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4)]
+DOWN_TILES = [
+    (2, 128, True, True),
+    (4, 128, True, True),
+    (8, 128, True, True),
+    (4, 256, True, True),
+    (4, 128, False, False),
+    (8, 128, True, 512),
+    (4, 128, True, 1024),
+    (8, 128, True, 1024),
+]
+# A program's bytes in flight per step scale with the format's bytes per value: a bf16 tile of
+# 2,048 values is 4 KB a matrix, an int4 one 1 KB. The narrower formats also try tiles of as
+# many bytes a step as bf16's (FP8: twice the values, int4: up to four times); each compiles for
+# sm_90 without spilling (register counts of ptxas, BENCHMARKS.md).
+WIDER_GATE_UP_TILES = {
+    "fp8": [(2, 2048, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4)],
+    "int4": [(4, 1024, 4), (8, 512, 4), (16, 256, 4), (4, 2048, 4), (8, 1024, 4), (16, 512, 4)],
+}
+WIDER_DOWN_TILES = {
+    "fp8": [(8, 256, True, True)],
+    "int4": [(8, 256, True, True), (4, 512, True, True), (8, 256, True, 512), (4, 512, True, 1024)],
+}
+TILE_DIMS = ("BLOCK_H", "BLOCK_I")  # kernel 2's rows and columns per step
+# Second round: the fastest few tiles of each kernel, every pairing.
+PAIRED_TILES = 3
+
+
+def gate_up_tiles(fmt: str) -> list[dict]:
+    return [
+        {"BLOCK_I": bi, "BLOCK_H": bh, "num_warps": warps}
+        for bi, bh, warps in GATE_UP_TILES + WIDER_GATE_UP_TILES.get(fmt, [])
+    ]
+
+
+def down_tiles(fmt: str) -> list[dict]:
+    return [
+        {"BLOCK_H": dh, "BLOCK_I": di, "num_warps": 4, "pdl": pdl, "preload": preload}
+        for dh, di, pdl, preload in DOWN_TILES + WIDER_DOWN_TILES.get(fmt, [])
+    ]
+
+
+def warp_candidates(fmt: str, stored: dict) -> list[dict]:
+    """First round: the stored config, each kernel-1 tile with the stored kernel 2, and each
+    kernel-2 tile with the stored kernel 1 (the kernels overlap only in their tails, so each
+    one's ranking mostly holds whatever the other runs; `paired` covers the rest)."""
+    out = [stored]
+    out += [{"gate_up": g, "down": stored["down"]} for g in gate_up_tiles(fmt)]
+    out += [{"gate_up": stored["gate_up"], "down": d} for d in down_tiles(fmt)]
+    return _unique(out)
+
+
+def paired(timed: list, already: list) -> list[dict]:
+    """Second round: the PAIRED_TILES fastest kernel-1 tiles of the timed configs (fastest
+    first) with the PAIRED_TILES fastest kernel-2 tiles, every pairing not yet timed."""
+    gate_up = _unique([c["gate_up"] for _, c in timed])[:PAIRED_TILES]
+    down = _unique([c["down"] for _, c in timed])[:PAIRED_TILES]
+    pairs = [{"gate_up": g, "down": d} for g in gate_up for d in down]
+    return [c for c in _unique(pairs) if c not in already]
+
+
+def tile_name(cfg: dict, kernel: str, dims: tuple[str, str]) -> str:
+    return "x".join(str(cfg[kernel][d]) for d in dims)
+
+
+def _unique(items: list) -> list:
+    out = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
 
 
 # A candidate whose output is further than this from float64 is wrong, not slow: bf16 rounding
@@ -198,18 +251,23 @@ def best_by(timed: list, key) -> dict:
 
 
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
-    """Per batch: the stored config and every warp_candidates() config, then the fastest few
-    with their loops pipelined to each depth, then the fastest few of all as one persistent
-    launch."""
+    """Per batch: the stored config and each kernel's tiles (warp_candidates), then the fastest
+    tiles paired, then the fastest few with their loops pipelined to each depth, then the
+    fastest few of all as one persistent launch."""
     best = {}
     h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
     for batch in TUNE_BATCHES:
         stored = default_configs(batch, h, i, e, k, layers.fmt)
-        candidates = [stored] + [c for c in warp_candidates() if c != stored]
+        candidates = warp_candidates(layers.fmt, stored)
         timed = time_candidates(layers, batch, inputs[batch], candidates, replays, log)
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
+        more = paired(timed, candidates)
+        timed = sorted(
+            timed + time_candidates(layers, batch, inputs[batch], more, replays, log),
+            key=lambda t: t[0],
+        )
         for widen in (with_loop_stages, as_persistent):
             pairs = [c for _, c in timed if "persistent" not in c][:STAGED_CANDIDATES]
             more = [w for c in pairs for w in widen(c)]
@@ -220,6 +278,9 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
         us, cfg = timed[0]
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
+        for kernel, dims in (("gate_up", ("BLOCK_I", "BLOCK_H")), ("down", TILE_DIMS)):
+            tiles = best_by(timed, functools.partial(tile_name, kernel=kernel, dims=dims))
+            log(f"  best per {kernel} tile (rows x columns), {layers.fmt} B={batch}: {tiles}")
         preloads = best_by(timed, lambda c: str(c["down"].get("preload")))
         log(f"  best per down preload, {layers.fmt} B={batch}: {preloads}")
         stages = best_by(
