@@ -40,7 +40,16 @@ from kernels import tuned
 from kernels.counters import sm_count, zeroed_counters
 from kernels.moe_inputs import moe_inputs
 from kernels.pdl import launch_dependents, pdl_supported, wait
-from kernels.quant import PLAIN, Weight, format_name, is_quantized, kernel_weight, scale_tile
+from kernels.quant import (
+    INT4_GROUPS,
+    PLAIN,
+    KernelWeight,
+    Weight,
+    format_name,
+    is_quantized,
+    kernel_weight,
+    scale_tile,
+)
 from kernels.triton_env import interpreting, next_pow2
 from kernels.warp_decode_items import (
     ACTS_COUNTED,
@@ -51,9 +60,9 @@ from kernels.warp_decode_items import (
     prefetch_l2,
 )
 
-# fp32 elements of one down-kernel step's tile (k_pad * block_h * block_i; int4: a column per
-# word, so an eighth of the columns): past this the tile spills registers. A preload's tile is
-# held to the same bound (preload_cols).
+# Values of one down-kernel step's tile (k_pad * block_h * block_i): past this the tile spills
+# registers. A preload is held to as many stored items (int4: words, which it keeps packed
+# across the wait), see preload_cols.
 DOWN_TILE_BUDGET = 16384
 L2_LINE_BYTES = 128
 
@@ -262,17 +271,20 @@ def _persistent_kernel(
         tl.store(counters_ptr + 1, 0)
 
 
-def preload_cols(preload, block_i: int, inter: int, tile_rows: int, per_item: int) -> int:
+def preload_cols(preload, block_i: int, inter: int, tile_rows: int, w: KernelWeight) -> int:
     """Columns of down rows kernel 2 loads before its PDL wait: cfg "preload" True is the first
     step's (block_i), a number that many columns rounded up to a power of two, at least block_i
     and at most the row's power of two (the columns past the row masked) or what keeps the
-    preloaded tile (tile_rows = k_pad * block_h rows, per_item columns an item) within
-    DOWN_TILE_BUDGET; 0 for none."""
+    preloaded tile (tile_rows = k_pad * block_h rows, w.per_item columns an item) within
+    DOWN_TILE_BUDGET; 0 for none. Narrower than an int4 group, it must divide the group (one
+    scale a row): else it is the first step's."""
     if not preload:
         return 0
     cols = block_i if preload is True else next_pow2(int(preload))
-    budget = 1 << max(0, (DOWN_TILE_BUDGET * per_item // tile_rows).bit_length() - 1)
-    return max(block_i, min(cols, next_pow2(inter), budget))
+    budget = 1 << max(0, (DOWN_TILE_BUDGET * w.per_item // tile_rows).bit_length() - 1)
+    cols = max(block_i, min(cols, next_pow2(inter), budget))
+    group = w.scale_cols if w.format == INT4_GROUPS else 1
+    return block_i if cols < group and group % cols else cols
 
 
 # "loop_stages": how many steps of a kernel's loop have their weights in flight at once (Triton's
@@ -360,7 +372,7 @@ def gate_up_silu(
     top_k = ids.shape[1]
     w = kernel_weight(w_gate_up)
     act = torch.empty(n_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    block_i, block_h = _gate_up_tiles(cfg, w, hidden, inter)
+    block_i, block_h = gate_up_launch_tiles(cfg, w, hidden, inter)
     n_i = triton.cdiv(inter, block_i)
     line_elems = max(1, L2_LINE_BYTES // x.element_size())
     prefetch = (
@@ -409,7 +421,7 @@ def gate_up_silu(
     return act
 
 
-def _gate_up_tiles(cfg: dict, w, hidden: int, inter: int) -> tuple[int, int]:
+def gate_up_launch_tiles(cfg: dict, w, hidden: int, inter: int) -> tuple[int, int]:
     """Kernel 1's (BLOCK_I, BLOCK_H) for weight w: a tile never straddles two FP8 blocks' rows,
     its steps lie within an int4 group or span whole ones (KernelWeight.warp_tile_cols). Up rows
     start at row `inter`: a tile must not straddle a block there either."""
@@ -417,7 +429,7 @@ def _gate_up_tiles(cfg: dict, w, hidden: int, inter: int) -> tuple[int, int]:
     return block_i, w.warp_tile_cols(_fit(cfg["BLOCK_H"], hidden))
 
 
-def _down_tiles(cfg: dict, w, hidden: int, inter: int, top_k: int) -> tuple[int, int, int]:
+def down_launch_tiles(cfg: dict, w, hidden: int, inter: int, top_k: int) -> tuple[int, int, int]:
     """Kernel 2's (K_PAD, BLOCK_H, BLOCK_I) for weight w: the slots padded to a power of two,
     the [K_PAD, BLOCK_H, BLOCK_I] tile kept within DOWN_TILE_BUDGET."""
     k_pad = next_pow2(top_k)
@@ -450,15 +462,13 @@ def down(act, w_down: Weight, ids, route_w, cfg: dict, routing_ready: bool = Tru
     experts, hidden, inter = w_down.shape
     w = kernel_weight(w_down)
     y = torch.empty(n_tokens, hidden, dtype=act.dtype, device=act.device)
-    k_pad, block_h, block_i = _down_tiles(cfg, w, hidden, inter, top_k)
+    k_pad, block_h, block_i = down_launch_tiles(cfg, w, hidden, inter, top_k)
     pdl = use_pdl(cfg, act.device)
     line_elems = max(1, L2_LINE_BYTES // w.stored.element_size())
     prefetch = pdl and routing_ready and cfg.get("prefetch") and w.format == PLAIN
     prefetch_lines = next_pow2(triton.cdiv(inter, line_elems)) if prefetch else 0
     preload = (
-        preload_cols(cfg.get("preload"), block_i, inter, k_pad * block_h, w.per_item)
-        if routing_ready
-        else 0
+        preload_cols(cfg.get("preload"), block_i, inter, k_pad * block_h, w) if routing_ready else 0
     )
     _down_kernel[(n_tokens, triton.cdiv(hidden, block_h))](
         act,
@@ -517,11 +527,9 @@ def persistent_moe(x, w_gate_up: Weight, w_down: Weight, ids, route_w, cfg: dict
     gu, dn = kernel_weight(w_gate_up), kernel_weight(w_down)
     # One FORMAT serves both kinds of item.
     assert gu.format == dn.format and gu.per_item == dn.per_item, "mixed weight formats"
-    block_i, block_h = _gate_up_tiles(cfg["gate_up"], gu, hidden, inter)
-    k_pad, d_block_h, d_block_i = _down_tiles(cfg["down"], dn, hidden, inter, top_k)
-    preload = preload_cols(
-        cfg["down"].get("preload"), d_block_i, inter, k_pad * d_block_h, dn.per_item
-    )
+    block_i, block_h = gate_up_launch_tiles(cfg["gate_up"], gu, hidden, inter)
+    k_pad, d_block_h, d_block_i = down_launch_tiles(cfg["down"], dn, hidden, inter, top_k)
+    preload = preload_cols(cfg["down"].get("preload"), d_block_i, inter, k_pad * d_block_h, dn)
     n_i, n_h = triton.cdiv(inter, block_i), triton.cdiv(hidden, d_block_h)
     n_items = n_tokens * (top_k * n_i + n_h)
     if x.is_cuda and not interpreting():

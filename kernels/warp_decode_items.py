@@ -71,21 +71,28 @@ def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _int4_row_scales(
-    s_ptrs, h0, cols, mask_i, n_cols, STEP_COLS: tl.constexpr, SCALE_COLS: tl.constexpr
-):
-    """The scales of a gate/up step of STEP_COLS columns from h0 (`cols` [C]: its words' first
-    columns; s_ptrs [R]: each row's scales): one a row [R, 1] where the step lies within a
-    group, else one a word [R, C] (a step of whole groups: the weights of a step stay as many
-    bytes as a bf16 tile's even where groups are narrow)."""
+def _int4_row_scales(s_ptrs, h0, mask_i, n_cols, STEP_COLS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The scales of a gate/up step of STEP_COLS columns from h0 (s_ptrs [R]: each row's
+    scales): one a row [R, 1] where the step lies within a
+    group, else one a word [R, C] (a step of whole groups, a power of two of columns each: the
+    weights of a step stay as many bytes as a bf16 tile's even where groups are narrow). Those
+    are loaded once a row and group and spread over the group's words, which a gather of one a
+    word would cost about 15% more instructions than (BENCHMARKS.md)."""
     tl.static_assert(STEP_COLS > SCALE_COLS or SCALE_COLS % STEP_COLS == 0)
     if STEP_COLS <= SCALE_COLS:
         scales = tl.load(s_ptrs + h0 // SCALE_COLS, mask=mask_i, other=0.0).to(tl.float32)
         scales = scales[:, None]
     else:
-        mask = mask_i[:, None] & (cols < n_cols)[None, :]
-        groups = (cols // SCALE_COLS)[None, :]
-        scales = tl.load(s_ptrs[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
+        G: tl.constexpr = STEP_COLS // SCALE_COLS
+        groups = h0 // SCALE_COLS + tl.arange(0, G)
+        mask = mask_i[:, None] & (groups * SCALE_COLS < n_cols)[None, :]
+        per_group = tl.load(s_ptrs[:, None] + groups[None, :], mask=mask, other=0.0)
+        scales = tl.reshape(
+            tl.broadcast_to(
+                per_group.to(tl.float32)[:, :, None], [mask_i.shape[0], G, SCALE_COLS // 8]
+            ),
+            [mask_i.shape[0], STEP_COLS // 8],
+        )
     return scales
 
 
@@ -174,11 +181,9 @@ def gate_up_item(
             cols = h0 + 8 * offs_c
             gate_q, up_q = _int4_gate_up_sums(gate, up, x_row, cols, hidden, EVEN_H)
             acc_gate += gate_q * _int4_row_scales(
-                gate_s_ptr, h0, cols, mask_i, hidden, BLOCK_H, SCALE_COLS
+                gate_s_ptr, h0, mask_i, hidden, BLOCK_H, SCALE_COLS
             )
-            acc_up += up_q * _int4_row_scales(
-                up_s_ptr, h0, cols, mask_i, hidden, BLOCK_H, SCALE_COLS
-            )
+            acc_up += up_q * _int4_row_scales(up_s_ptr, h0, mask_i, hidden, BLOCK_H, SCALE_COLS)
         x_ptrs += BLOCK_H
         gate_ptrs += BLOCK_H // PER_ITEM
         up_ptrs += BLOCK_H // PER_ITEM
@@ -238,12 +243,26 @@ def _int4_step_scales(
 ):
     """The scales of an int4 down step of STEP_COLS columns from i0, `cols` (8c) its words'
     first columns; s_ptrs [K, BLOCK_H] point at each row's scales. One per row where the step
-    lies within a group (the loop's steps: i0 is a multiple of a step that divides the group),
-    else one per word (a preload wider than a group)."""
+    lies within a group (i0 is a multiple of a step that divides the group), else one per word:
+    loaded once a row and group and spread over its words where the step holds whole groups of
+    a power of two of columns, else gathered word by word (a preload over groups of another
+    width)."""
     tl.static_assert(STEP_COLS > SCALE_COLS or SCALE_COLS % STEP_COLS == 0)
     if STEP_COLS <= SCALE_COLS:
         scales = tl.load(s_ptrs + i0 // SCALE_COLS, mask=mask_kh, other=0.0).to(tl.float32)
         scales = scales[:, :, None]
+    elif (SCALE_COLS & (SCALE_COLS - 1)) == 0:
+        G: tl.constexpr = STEP_COLS // SCALE_COLS
+        groups = i0 // SCALE_COLS + tl.arange(0, G)
+        mask = mask_kh[:, :, None] & (groups * SCALE_COLS < n_cols)[None, None, :]
+        per_group = tl.load(s_ptrs[:, :, None] + groups[None, None, :], mask=mask, other=0.0)
+        scales = tl.reshape(
+            tl.broadcast_to(
+                per_group.to(tl.float32)[:, :, :, None],
+                [mask_kh.shape[0], mask_kh.shape[1], G, SCALE_COLS // 8],
+            ),
+            [mask_kh.shape[0], mask_kh.shape[1], STEP_COLS // 8],
+        )
     else:
         mask = mask_kh[:, :, None] & (cols < n_cols)[None, None, :]
         groups = (cols // SCALE_COLS)[None, None, :]

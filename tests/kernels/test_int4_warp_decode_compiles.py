@@ -23,7 +23,7 @@ def test_int4_warp_decode_variants_compile_for_hopper():
 
     run = run_without_interpreter("tests.kernels.test_int4_warp_decode_compiles")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "int4 warp decode: compiled 6 gate/up and 16 down variants" in run.stdout, run.stdout
+    assert "int4 warp decode: compiled 6 gate/up and 18 down variants" in run.stdout, run.stdout
 
 
 def compile_int4(kernel: str, pointers: dict, constants: dict) -> str:
@@ -46,10 +46,13 @@ def gate_up_ptx(even: bool, block_h: int, stages: int = 1) -> str:
     return compile_int4("_gate_up_silu_kernel", pointers, constants)
 
 
-def down_ptx(k_pad: int, even: bool, preload: int, routing_ready: bool, stages: int = 1) -> str:
+def down_ptx(
+    k_pad: int, even: bool, preload: int, routing_ready: bool, stages: int = 1, block_i: int = 128
+) -> str:
     pointers = dict(act_ptr="bf16", w_ptr="i32", s_ptr="bf16", ids_ptr="i64", y_ptr="bf16")
     pointers.update(weights_ptr="fp32")
-    constants = dict(K_PAD=k_pad, BLOCK_H=8, BLOCK_I=128, EVEN_K=even, EVEN_H=even, EVEN_I=even)
+    constants = dict(K_PAD=k_pad, BLOCK_H=8, BLOCK_I=block_i, EVEN_K=even, EVEN_H=even)
+    constants.update(EVEN_I=even)
     constants.update(PDL=True, PREFETCH_LINES=0, LINE_ELEMS=64, PRELOAD=preload)
     constants.update(ROUTING_READY=routing_ready, EVEN_PRELOAD=even, LOOP_STAGES=stages)
     return compile_int4("_down_kernel", pointers, constants)
@@ -89,6 +92,11 @@ def main() -> int:
             assert early_words[512, True] > early_words[128, True] > early_words[0, True], (
                 early_words
             )
+        # Loop steps of four groups of 128 (a scale per word), pipelined.
+        ptx = down_ptx(8, even, 512, True, stages=3, block_i=512)
+        assert not INT_TO_FLOAT.search(ptx), INT_TO_FLOAT.search(ptx).group(0)
+        assert "cp.async" in ptx and not LOAD_16.search(before_wait(ptx))
+        n_down += 1
     print(f"int4 warp decode: compiled {n_gate_up} gate/up and {n_down} down variants")
     return 0
 

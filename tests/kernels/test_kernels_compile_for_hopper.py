@@ -78,7 +78,7 @@ def test_every_kernel_compiles_for_hopper():
     assert run.stdout.count("compiled") == 4 * len(FORMATS), run.stdout
     assert "norm_route: built" in run.stdout, run.stdout
     assert "qk norm rope store: built" in run.stdout, run.stdout
-    assert "paged attention fused merge: built" in run.stdout, run.stdout
+    assert "paged attention split and merge: built" in run.stdout, run.stdout
     assert "add rms norm: built" in run.stdout, run.stdout
 
 
@@ -267,18 +267,19 @@ def add_rms_norm_compiles():
         launch_pdl=True,
     )
     wait = ptx.index("griddepcontrol.wait")
-    assert "griddepcontrol.launch_dependents" in ptx
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
     # The weight, x and delta rows are read in as many loads each: a third before the wait.
     assert 3 * ptx[:wait].count("ld.global") == ptx.count("ld.global") > 0
     assert wait < ptx.index("st.global")
 
 
 def paged_attention_fused_merge_compiles():
-    """The one-launch split kernel (the last split program of a (sequence, kv head) merges),
-    with bf16 and fp8 storage, in a PDL chain."""
+    """The split kernel, one launch (the last split program of a (sequence, kv head) merges) or
+    followed by the merge kernel, with bf16 and fp8 storage, in a PDL chain: nothing read or
+    stored before the wait."""
     from kernels import paged_attention
 
-    for kv, fp8 in (("bf16", False), ("fp8e4nv", True)):
+    for kv, fp8, fused in (("bf16", False, True), ("fp8e4nv", True, True), ("bf16", False, False)):
         ptx = compile_for_hopper(
             paged_attention._split_kernel,
             dict(
@@ -304,7 +305,7 @@ def paged_attention_fused_merge_compiles():
                 BLOCK_SIZE=16,
                 TILE=64,
                 FP8=fp8,
-                FUSED_MERGE=True,
+                FUSED_MERGE=fused,
                 DIRECT=False,
                 PDL=True,
                 INTERPRET=False,
@@ -312,7 +313,25 @@ def paged_attention_fused_merge_compiles():
             num_warps=4,
             launch_pdl=True,
         )
-        assert "griddepcontrol" in ptx and "atom" in ptx and "mma" in ptx
+        assert "griddepcontrol" in ptx and ("atom" in ptx) == fused and "mma" in ptx
+        _assert_waits_first(ptx)
+    merge = compile_for_hopper(
+        paged_attention._merge_kernel,
+        dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", out_ptr="bf16"),
+        dict(HEAD_DIM=128, D_PAD=128, SPLIT_PAD=16, PDL=True),
+        num_warps=4,
+        launch_pdl=True,
+    )
+    _assert_waits_first(merge)
+
+
+def _assert_waits_first(ptx: str) -> None:
+    """A link of a PDL chain: it lets the next kernel start, then waits, before any global
+    load or store."""
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    for access in ("ld.global", "st.global"):
+        assert access not in ptx or wait < ptx.index(access), access
 
 
 def norm_route_compiles():
@@ -354,7 +373,7 @@ def main() -> int:
     qk_norm_rope_store_compiles()
     print("qk norm rope store: built", flush=True)
     paged_attention_fused_merge_compiles()
-    print("paged attention fused merge: built", flush=True)
+    print("paged attention split and merge: built", flush=True)
     add_rms_norm_compiles()
     print("add rms norm: built", flush=True)
     return 0

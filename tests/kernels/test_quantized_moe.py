@@ -14,7 +14,17 @@ from quantized_layers import quantized_moe_layer
 
 from engine.loading import fp8, int4
 from kernels import reference
-from kernels.quant import Fp8Weight, Int4Weight, dequantize, kernels_read, nbytes, unpack_int4
+from kernels.quant import (
+    FP8_BLOCKS,
+    INT4_GROUPS,
+    Fp8Weight,
+    Int4Weight,
+    KernelWeight,
+    dequantize,
+    kernels_read,
+    nbytes,
+    unpack_int4,
+)
 from kernels.quant_tiles import int4_plane, int4_plane_scale, int4_upper_half, int4_values
 from kernels.warp_decode import warp_decode_moe
 
@@ -81,10 +91,9 @@ def relative_error(y, ref) -> float:
 
 
 # Raggedness in the rows: row blocks past the size (a ragged last block, after full ones), and
-# padded top-k slots (3 -> 4). Column steps: several per group (groups of 128, steps of 64 or
-# fewer), one per group, or whole groups (WIDE_STEPS). A step or a preload wider than a group
-# (64 columns over groups of 32, then three loop steps; or the whole row, masked past its end)
-# takes a scale per word.
+# padded top-k slots (3 -> 4). Column steps: several per group (groups of 128, steps of 64), or
+# whole groups (groups of 32: ROWS_64's steps of 128 columns, and WIDE_STEPS). A step or a
+# preload wider than a group (the whole row, masked past its end) takes a scale per word.
 ROWS_64 = {
     "gate_up": {"BLOCK_I": 64, "BLOCK_H": 64, "num_warps": 4},
     "down": {"BLOCK_H": 64, "BLOCK_I": 128, "num_warps": 4},
@@ -98,7 +107,8 @@ WIDE_STEPS = {
     "gate_up": {"BLOCK_I": 16, "BLOCK_H": 128, "num_warps": 4},
     "down": {"BLOCK_H": 16, "BLOCK_I": 128, "num_warps": 4},
 }
-# (tokens, hidden, inter, experts, top_k, group, config): H and I are odd multiples of the group.
+# (tokens, hidden, inter, experts, top_k, group, config): H and I are multiples of the group,
+# ragged against the tiles.
 INT4_CASES = [
     (1, 96, 160, 8, 1, 32, ROWS_64),  # rows 64 + 32 (down), 2 x 64 + 32 (gate/up)
     (3, 96, 160, 8, 3, 32, ROWS_64),
@@ -132,6 +142,46 @@ def test_int4_warp_decode_by_planes(case, preload):
     # bf16 output rounding (the interpreter truncates instead of rounding: up to 2x that)
     assert relative_error(y, ref) < 8e-3
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_int4_steps_span_whole_groups_of_a_power_of_two():
+    """Warp decode's int4 steps: within one group, or whole groups where the group is a power of
+    two (a scale per word), and two words at least; FP8 and plain steps take any width."""
+    none = torch.empty(0)
+
+    def int4_weight(group):
+        return KernelWeight(none, none, INT4_GROUPS, scale_rows=1, scale_cols=group, per_item=8)
+
+    assert int4_weight(32).warp_tile_cols(128) == 128  # four groups
+    assert int4_weight(128).warp_tile_cols(64) == 64  # within one
+    assert int4_weight(48).warp_tile_cols(128) == 16  # within one: the largest power dividing 48
+    assert int4_weight(16).warp_tile_cols(8) == 16  # two words
+    fp8_weight = KernelWeight(none, none, FP8_BLOCKS, scale_rows=128, scale_cols=128, per_item=1)
+    assert fp8_weight.warp_tile_cols(512) == 512
+
+
+@pytest.mark.parametrize("preload", [True, 32, 64, 1024], ids=lambda p: f"preload-{p}")
+def test_int4_groups_of_48(preload):
+    """A group that is not a power of two: steps within it (16 columns), and a preload that does
+    not divide it is cut to one step; one wider than a group gathers a scale per word."""
+    config = {"gate_up": SMALL["gate_up"], "down": {**SMALL["down"], "preload": preload}}
+    layer = quantized_moe_layer(2, 96, 144, 6, 2, "int4", 48, seed=48)
+    y = warp_decode_moe(*layer, config=config)
+    assert relative_error(y, float64_reference(*layer)) < 8e-3
+
+
+def test_int4_one_launch_with_steps_of_whole_groups():
+    """The persistent launch runs the same items with steps of four groups."""
+    config = {
+        "gate_up": {**WIDE_STEPS["gate_up"], "loop_stages": 2},
+        "down": {**WIDE_STEPS["down"], "preload": True, "loop_stages": 2},
+        "persistent": 4,
+    }
+    layer = quantized_moe_layer(2, 160, 96, 8, 3, "int4", 32, seed=5)
+    y = warp_decode_moe(*layer, config=config)
+    pair = warp_decode_moe(*layer, config={k: v for k, v in config.items() if k != "persistent"})
+    assert torch.equal(y, pair)
+    assert relative_error(y, float64_reference(*layer)) < 8e-3
 
 
 @triton.jit
