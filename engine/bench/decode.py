@@ -183,7 +183,9 @@ def parse_variants(spec: str) -> tuple[tuple[str, ...], ...]:
         names = () if item.strip() == "unfused" else tuple(n.strip() for n in item.split("+"))
         unknown = set(names) - set(FUSIONS)
         if unknown or not item.strip():
-            raise ValueError(f"bad variant {item!r}: fusions are {FUSIONS} (or 'unfused')")
+            raise argparse.ArgumentTypeError(
+                f"bad variant {item!r}: fusions are {FUSIONS} (or 'unfused')"
+            )
         steps.append(names)
     return tuple(steps)
 
@@ -207,8 +209,11 @@ def step_variants(cfg, batch: int, context: int, fusion_steps=None):
             )
 
 
-def fused_against_unfused(config, quant, dtype, device, batch, context, log, layers=4) -> list:
-    """Each fusion alone, the engine's step and all fusions against the unfused step, on a model
+def fused_against_unfused(
+    config, quant, dtype, device, batch, context, log, layers=4, fusion_sets=()
+) -> list:
+    """Each fusion alone, the engine's step, all fusions and each of `fusion_sets` (the step
+    variants a run times) against the unfused step, on a model
     of the shape's widths with `layers` layers: past a few layers a random model's near-tied
     routers amplify rounding until two valid paths part ways, which would hide a wrong kernel.
     Two inputs alternate (A, B, A, B) and B is compared: a kernel reading state a previous
@@ -233,6 +238,11 @@ def fused_against_unfused(config, quant, dtype, device, batch, context, log, lay
     reference, _ = logits(UNFUSED)
     variants = [(name, StepKernels(fusions=frozenset({name}))) for name in FUSIONS]
     variants += [("engine's step", StepKernels()), ("all fusions", ALL_FUSED)]
+    variants += [
+        ("+".join(names), StepKernels(fusions=frozenset(names)))
+        for names in fusion_sets
+        if len(names) > 1 and set(names) != set(FUSIONS)
+    ]
     rows = []
     for name, kernels in variants:
         first, again = logits(kernels)
@@ -361,7 +371,14 @@ def main(argv=None) -> int:
             row
             for batch in sorted({split_batch, *batches})
             for row in fused_against_unfused(
-                SHAPES[args.shape], args.quant, dtype, args.device, batch, split_context, log
+                SHAPES[args.shape],
+                args.quant,
+                dtype,
+                args.device,
+                batch,
+                split_context,
+                log,
+                fusion_sets=args.variants or (),
             )
         ]
         save()

@@ -31,8 +31,15 @@ from kernels import dispatch, reference, tuned
 from kernels.bench.gpu_timing import graph_time_us, read_bandwidth
 from kernels.counters import counters_of
 from kernels.fused_moe import fused_moe
-from kernels.quant import dequantize, nbytes
-from kernels.warp_decode import PERSISTENT_COUNTERS, default_configs, warp_decode_moe
+from kernels.quant import dequantize, kernel_weight, nbytes
+from kernels.warp_decode import (
+    PERSISTENT_COUNTERS,
+    default_configs,
+    down_launch_tiles,
+    gate_up_launch_tiles,
+    preload_cols,
+    warp_decode_moe,
+)
 
 SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 FORMATS = ("bf16", "fp8", "int4")
@@ -117,6 +124,7 @@ WIDER_DOWN_TILES = {
     "int4": [(8, 256, True, True), (4, 512, True, True), (8, 256, True, 512), (4, 512, True, 1024)],
 }
 TILE_DIMS = ("BLOCK_H", "BLOCK_I")  # kernel 2's rows and columns per step
+TILE_KEYS = ("BLOCK_H", "BLOCK_I", "preload")  # what `resolved` replaces by the tiles that run
 # Second round: the fastest few tiles of each kernel, every pairing.
 PAIRED_TILES = 3
 
@@ -135,33 +143,66 @@ def down_tiles(fmt: str) -> list[dict]:
     ]
 
 
-def warp_candidates(fmt: str, stored: dict) -> list[dict]:
+def warp_candidates(fmt: str, stored: dict, weights: tuple) -> list[dict]:
     """First round: the stored config, each kernel-1 tile with the stored kernel 2, and each
     kernel-2 tile with the stored kernel 1 (the kernels overlap only in their tails, so each
-    one's ranking mostly holds whatever the other runs; `paired` covers the rest)."""
+    one's ranking mostly holds whatever the other runs; `paired` covers the rest). Configs that
+    run the same kernels (`resolved`) are timed once."""
     out = [stored]
     out += [{"gate_up": g, "down": stored["down"]} for g in gate_up_tiles(fmt)]
     out += [{"gate_up": stored["gate_up"], "down": d} for d in down_tiles(fmt)]
-    return _unique(out)
+    return _unique(out, functools.partial(config_key, weights=weights))
 
 
-def paired(timed: list, already: list) -> list[dict]:
+def paired(timed: list, already: list, weights: tuple) -> list[dict]:
     """Second round: the PAIRED_TILES fastest kernel-1 tiles of the timed configs (fastest
     first) with the PAIRED_TILES fastest kernel-2 tiles, every pairing not yet timed."""
-    gate_up = _unique([c["gate_up"] for _, c in timed])[:PAIRED_TILES]
-    down = _unique([c["down"] for _, c in timed])[:PAIRED_TILES]
-    pairs = [{"gate_up": g, "down": d} for g in gate_up for d in down]
-    return [c for c in _unique(pairs) if c not in already]
+    fastest = {
+        kernel: _unique(
+            [c[kernel] for _, c in timed],
+            functools.partial(resolved, kernel, weights=weights),
+        )[:PAIRED_TILES]
+        for kernel in ("gate_up", "down")
+    }
+    pairs = [{"gate_up": g, "down": d} for g in fastest["gate_up"] for d in fastest["down"]]
+    key = functools.partial(config_key, weights=weights)
+    timed_keys = {key(c) for c in already}
+    return [c for c in _unique(pairs, key) if key(c) not in timed_keys]
+
+
+def resolved(kernel: str, cfg: dict, weights: tuple) -> tuple:
+    """What a kernel's config runs: its tiles as the launcher fits them to SHAPE and the
+    weights (weights: the gate/up and down KernelWeights), kernel 2's preloaded columns, and
+    its other keys. Two configs may name different tiles and run the same kernel."""
+    h, i, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["top_k"]
+    gate_up, down = weights
+    if kernel == "gate_up":
+        tiles = gate_up_launch_tiles(cfg, gate_up, h, i)
+    else:
+        k_pad, block_h, block_i = down_launch_tiles(cfg, down, h, i, k)
+        preload = preload_cols(cfg.get("preload"), block_i, i, k_pad * block_h, down)
+        tiles = (k_pad, block_h, block_i, preload)
+    rest = sorted((name, repr(v)) for name, v in cfg.items() if name not in TILE_KEYS)
+    return tiles, tuple(rest)
+
+
+def config_key(cfg: dict, weights: tuple) -> tuple:
+    return (
+        resolved("gate_up", cfg["gate_up"], weights),
+        resolved("down", cfg["down"], weights),
+        cfg.get("persistent", 0),
+    )
 
 
 def tile_name(cfg: dict, kernel: str, dims: tuple[str, str]) -> str:
     return "x".join(str(cfg[kernel][d]) for d in dims)
 
 
-def _unique(items: list) -> list:
-    out = []
+def _unique(items: list, key) -> list:
+    out, seen = [], set()
     for item in items:
-        if item not in out:
+        if key(item) not in seen:
+            seen.add(key(item))
             out.append(item)
     return out
 
@@ -256,14 +297,15 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     fastest few of all as one persistent launch."""
     best = {}
     h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
+    weights = (kernel_weight(layers.gate_up[0]), kernel_weight(layers.down[0]))
     for batch in TUNE_BATCHES:
         stored = default_configs(batch, h, i, e, k, layers.fmt)
-        candidates = warp_candidates(layers.fmt, stored)
+        candidates = warp_candidates(layers.fmt, stored, weights)
         timed = time_candidates(layers, batch, inputs[batch], candidates, replays, log)
         if not timed:
             log(f"  {layers.fmt} B={batch}: no config ran; the defaults stay")
             continue
-        more = paired(timed, candidates)
+        more = paired(timed, candidates, weights)
         timed = sorted(
             timed + time_candidates(layers, batch, inputs[batch], more, replays, log),
             key=lambda t: t[0],

@@ -1,5 +1,6 @@
 """engine.bench.decode's check of the fused steps, on the CPU (Triton's interpreter)."""
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,21 @@ def test_every_fused_step_gives_the_unfused_steps_logits():
     assert len(lines) == len(rows)
 
 
+def test_the_timed_variants_are_checked_too():
+    rows = fused_against_unfused(
+        SHAPES["tiny"],
+        None,
+        torch.float32,
+        "cpu",
+        batch=1,
+        context=20,
+        log=lambda _: None,
+        fusion_sets=(("router",), ("router", "pdl"), ("router", "pdl", "attention_merge")),
+    )
+    assert [r["variant"] for r in rows][-2:] == ["router+pdl", "router+pdl+attention_merge"]
+    assert all(r["rel"] < 1e-5 and r["replays_identical"] for r in rows), rows
+
+
 def test_chosen_step_variants_are_timed_as_named():
     from engine.bench.decode import parse_variants, step_variants
 
@@ -35,5 +51,5 @@ def test_a_variant_naming_an_unknown_fusion_is_refused():
     from engine.bench.decode import parse_variants
 
     for spec in ("router+fast", "router||pdl"):
-        with pytest.raises(ValueError, match="bad variant"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad variant"):
             parse_variants(spec)

@@ -5,13 +5,14 @@ import torch
 from engine.bench.moe_formats import (
     PAIRED_TILES,
     SHAPE,
+    config_key,
     down_tiles,
     gate_up_tiles,
     paired,
     warp_candidates,
 )
 from kernels import warp_decode
-from kernels.quant import INT4_GROUPS, KernelWeight
+from kernels.quant import FP8_BLOCKS, INT4_GROUPS, PLAIN, KernelWeight
 
 STORED = {
     "gate_up": {"BLOCK_I": 8, "BLOCK_H": 128, "num_warps": 4},
@@ -33,10 +34,23 @@ def test_narrow_formats_try_steps_as_large_as_bf16s():
         assert len(down_tiles(fmt)) > len(down_tiles("bf16"))
 
 
+def kernel_weights(fmt: str) -> tuple:
+    """The gate/up and down KernelWeights of SHAPE's layer in a format (no tensors)."""
+    none = torch.empty(0)
+    consts = {
+        "bf16": (PLAIN, 1, 1, 1),
+        "fp8": (FP8_BLOCKS, 128, 128, 1),
+        "int4": (INT4_GROUPS, 1, 128, 8),
+    }[fmt]
+    return (KernelWeight(none, none, *consts),) * 2
+
+
 def test_first_round_varies_one_kernel_at_a_time():
-    candidates = warp_candidates("int4", STORED)
+    weights = kernel_weights("int4")
+    candidates = warp_candidates("int4", STORED, weights)
     assert candidates[0] == STORED
-    assert len(candidates) == len({str(c) for c in candidates})  # no config timed twice
+    keys = [config_key(c, weights) for c in candidates]
+    assert len(keys) == len(set(keys))  # no kernel timed twice
     for cfg in candidates[1:]:
         assert cfg["gate_up"] == STORED["gate_up"] or cfg["down"] == STORED["down"]
     assert {str(c["gate_up"]) for c in candidates} == {
@@ -47,15 +61,29 @@ def test_first_round_varies_one_kernel_at_a_time():
     }
 
 
+def test_configs_that_run_the_same_kernel_are_timed_once():
+    """bf16 at k = 8 with 8 rows: a preload of 512 or 1024 columns is cut to 256 by the
+    register budget, so the two configs run one kernel."""
+    weights = kernel_weights("bf16")
+    wide = [
+        {"gate_up": STORED["gate_up"], "down": {**STORED["down"], "preload": cols}}
+        for cols in (512, 1024)
+    ]
+    assert config_key(wide[0], weights) == config_key(wide[1], weights)
+    candidates = warp_candidates("bf16", STORED, weights)
+    assert wide[0] in candidates and wide[1] not in candidates
+
+
 def test_second_round_pairs_the_fastest_tiles_not_yet_timed():
-    first = warp_candidates("int4", STORED)
+    weights = kernel_weights("int4")
+    first = warp_candidates("int4", STORED, weights)
     # Times that rank the first round in reverse order of the list.
     timed = sorted(((float(len(first) - n), c) for n, c in enumerate(first)), key=lambda t: t[0])
     fastest = {
         kernel: list({str(c[kernel]): c[kernel] for _, c in timed}.values())[:PAIRED_TILES]
         for kernel in ("gate_up", "down")
     }
-    pairs = paired(timed, first)
+    pairs = paired(timed, first, weights)
     expected = [
         {"gate_up": g, "down": d}
         for g in fastest["gate_up"]
@@ -71,5 +99,16 @@ def test_int4_down_tiles_run_as_named():
     none = torch.empty(0)
     w = KernelWeight(none, none, INT4_GROUPS, scale_rows=1, scale_cols=128, per_item=8)
     for tile in down_tiles("int4"):
-        _, block_h, block_i = warp_decode._down_tiles(tile, w, h, i, k)
+        _, block_h, block_i = warp_decode.down_launch_tiles(tile, w, h, i, k)
         assert (block_h, block_i) == (tile["BLOCK_H"], tile["BLOCK_I"]), tile
+
+
+def test_int4_gate_up_tiles_run_as_named():
+    h, i = SHAPE["hidden"], SHAPE["inter"]
+    none = torch.empty(0)
+    w = KernelWeight(none, none, INT4_GROUPS, scale_rows=1, scale_cols=128, per_item=8)
+    for tile in gate_up_tiles("int4"):
+        assert warp_decode.gate_up_launch_tiles(tile, w, h, i) == (
+            tile["BLOCK_I"],
+            tile["BLOCK_H"],
+        ), tile
