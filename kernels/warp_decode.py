@@ -41,7 +41,6 @@ from kernels.counters import sm_count, zeroed_counters
 from kernels.moe_inputs import moe_inputs
 from kernels.pdl import launch_dependents, pdl_supported, wait
 from kernels.quant import (
-    INT4_GROUPS,
     PLAIN,
     KernelWeight,
     Weight,
@@ -283,8 +282,7 @@ def preload_cols(preload, block_i: int, inter: int, tile_rows: int, w: KernelWei
     cols = block_i if preload is True else next_pow2(int(preload))
     budget = 1 << max(0, (DOWN_TILE_BUDGET * w.per_item // tile_rows).bit_length() - 1)
     cols = max(block_i, min(cols, next_pow2(inter), budget))
-    group = w.scale_cols if w.format == INT4_GROUPS else 1
-    return block_i if cols < group and group % cols else cols
+    return block_i if cols < w.tile_cols and w.tile_cols % cols else cols
 
 
 # "loop_stages": how many steps of a kernel's loop have their weights in flight at once (Triton's

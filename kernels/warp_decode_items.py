@@ -73,11 +73,11 @@ def _int4_gate_up_sums(gate, up, x_row, cols, n_cols, EVEN: tl.constexpr):
 @triton.jit
 def _int4_row_scales(s_ptrs, h0, mask_i, n_cols, STEP_COLS: tl.constexpr, SCALE_COLS: tl.constexpr):
     """The scales of a gate/up step of STEP_COLS columns from h0 (s_ptrs [R]: each row's
-    scales): one a row [R, 1] where the step lies within a
-    group, else one a word [R, C] (a step of whole groups, a power of two of columns each: the
-    weights of a step stay as many bytes as a bf16 tile's even where groups are narrow). Those
-    are loaded once a row and group and spread over the group's words, which a gather of one a
-    word would cost about 15% more instructions than (BENCHMARKS.md)."""
+    scales): one a row [R, 1] where the step lies within a group, else one a word [R, C] (a step
+    of whole groups, a power of two of columns each, so that a step stays as many bytes as a
+    bf16 tile's where groups are narrow). Those are loaded once a row and group and spread over
+    the group's words: a gather per word costs about 15% more instructions (BENCHMARKS.md).
+    `_int4_step_scales` is the same for the down kernel's [K, BLOCK_H] rows."""
     tl.static_assert(STEP_COLS > SCALE_COLS or SCALE_COLS % STEP_COLS == 0)
     if STEP_COLS <= SCALE_COLS:
         scales = tl.load(s_ptrs + h0 // SCALE_COLS, mask=mask_i, other=0.0).to(tl.float32)

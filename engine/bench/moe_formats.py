@@ -123,7 +123,6 @@ WIDER_DOWN_TILES = {
     "fp8": [(8, 256, True, True)],
     "int4": [(8, 256, True, True), (4, 512, True, True), (8, 256, True, 512), (4, 512, True, 1024)],
 }
-TILE_DIMS = ("BLOCK_H", "BLOCK_I")  # kernel 2's rows and columns per step
 TILE_KEYS = ("BLOCK_H", "BLOCK_I", "preload")  # what `resolved` replaces by the tiles that run
 # Second round: the fastest few tiles of each kernel, every pairing.
 PAIRED_TILES = 3
@@ -195,16 +194,16 @@ def config_key(cfg: dict, weights: tuple) -> tuple:
 
 
 def tile_name(cfg: dict, kernel: str, dims: tuple[str, str]) -> str:
+    """A kernel's rows x columns, for the log."""
     return "x".join(str(cfg[kernel][d]) for d in dims)
 
 
 def _unique(items: list, key) -> list:
-    out, seen = [], set()
+    """items in order, the first of each key."""
+    firsts = {}
     for item in items:
-        if key(item) not in seen:
-            seen.add(key(item))
-            out.append(item)
-    return out
+        firsts.setdefault(key(item), item)
+    return list(firsts.values())
 
 
 # A candidate whose output is further than this from float64 is wrong, not slow: bf16 rounding
@@ -320,7 +319,7 @@ def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
         us, cfg = timed[0]
         best[batch] = cfg
         log(f"  tuned {layers.fmt} B={batch}: {us:.1f} µs {cfg}")
-        for kernel, dims in (("gate_up", ("BLOCK_I", "BLOCK_H")), ("down", TILE_DIMS)):
+        for kernel, dims in (("gate_up", ("BLOCK_I", "BLOCK_H")), ("down", ("BLOCK_H", "BLOCK_I"))):
             tiles = best_by(timed, functools.partial(tile_name, kernel=kernel, dims=dims))
             log(f"  best per {kernel} tile (rows x columns), {layers.fmt} B={batch}: {tiles}")
         preloads = best_by(timed, lambda c: str(c["down"].get("preload")))

@@ -31,23 +31,22 @@ if has moe; then
         | tee "$OUT/moe_formats.log"
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
 fi
+decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K
+    local name=$1 quant=$2 flag
+    shift 2
+    flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+    # shellcheck disable=SC2086
+    "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
+        --no-transformers $flag "$@" --out "$OUT/${name}_$quant.json" 2>&1 \
+        | tee "$OUT/${name}_$quant.log"
+}
 if has decode; then
-    for quant in bf16 fp8 int4; do
-        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
-        # shellcheck disable=SC2086
-        "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
-            --prefill 4096 --no-transformers $flag --out "$OUT/decode_$quant.json" 2>&1 \
-            | tee "$OUT/decode_$quant.log"
-    done
+    for quant in bf16 fp8 int4; do decode_bench decode "$quant" --prefill 4096; done
 fi
 if has variants; then
     variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
     for quant in fp8 int4 bf16; do
-        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
-        # shellcheck disable=SC2086
-        "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
-            --prefill 0 --no-transformers --stages check,variants --variants "$variants" $flag \
-            --out "$OUT/variants_$quant.json" 2>&1 | tee "$OUT/variants_$quant.log"
+        decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
     done
 fi
 if has fit; then

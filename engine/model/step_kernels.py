@@ -133,12 +133,7 @@ class StepOps:
         """The step's paged decode attention (paged_decode_attention's arguments)."""
         if self.attention_fn is not paged_decode_attention:  # a benchmark's stand-in
             return self.attention_fn(*args, n_splits=n_splits)
-        if not self.attention_merge:
-            return self.attention_fn(*args, n_splits=n_splits, pdl=self.pdl)
-        return self.attention_fn(
-            *args,
-            n_splits=n_splits,
-            fused_merge=True,
-            counters=self.attention_counters,
-            pdl=self.pdl,
-        )
+        merge = {}
+        if self.attention_merge:
+            merge = dict(fused_merge=True, counters=self.attention_counters)
+        return paged_decode_attention(*args, n_splits=n_splits, pdl=self.pdl, **merge)

@@ -96,8 +96,7 @@ def test_second_round_pairs_the_fastest_tiles_not_yet_timed():
 def test_int4_down_tiles_run_as_named():
     """The tile a candidate names is the tile that runs: the register budget never halves it."""
     h, i, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["top_k"]
-    none = torch.empty(0)
-    w = KernelWeight(none, none, INT4_GROUPS, scale_rows=1, scale_cols=128, per_item=8)
+    _, w = kernel_weights("int4")
     for tile in down_tiles("int4"):
         _, block_h, block_i = warp_decode.down_launch_tiles(tile, w, h, i, k)
         assert (block_h, block_i) == (tile["BLOCK_H"], tile["BLOCK_I"]), tile
@@ -105,8 +104,7 @@ def test_int4_down_tiles_run_as_named():
 
 def test_int4_gate_up_tiles_run_as_named():
     h, i = SHAPE["hidden"], SHAPE["inter"]
-    none = torch.empty(0)
-    w = KernelWeight(none, none, INT4_GROUPS, scale_rows=1, scale_cols=128, per_item=8)
+    w, _ = kernel_weights("int4")
     for tile in gate_up_tiles("int4"):
         assert warp_decode.gate_up_launch_tiles(tile, w, h, i) == (
             tile["BLOCK_I"],
