@@ -29,13 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tuned
 from kernels.counters import sm_count, zeroed_counters
 from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
-from kernels.quant import (
-    Weight,
-    is_quantized,
-    kernel_weight,
-)
+from kernels.quant import Weight, format_name, is_quantized, kernel_weight
 from kernels.quant_tiles import k_step, quantized_dot
 from kernels.triton_env import interpreting, next_pow2
 
@@ -290,10 +287,10 @@ def skinny_linear(
     x: torch.Tensor,
     w: Weight,
     bias: torch.Tensor | None = None,
-    block_n: int = 16,
-    block_k: int = 256,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     pdl: bool = False,
     split_k: int | None = None,
 ) -> torch.Tensor:
@@ -302,7 +299,9 @@ def skinny_linear(
 
     w [N, K] is a tensor or a quantized weight (kernels.quant.kernels_read); a quantized weight's
     K steps shrink to fit its scales (`k_step`). `pdl`: launched as a link of a PDL chain.
-    `split_k`: parts of K in programs of their own (None: `default_split_k`)."""
+    `split_k`: parts of K in programs of their own. A tile argument left None comes from the
+    tuned table of w's format and size (`tuned_tiles`), else the defaults (DEFAULT_TILES, split
+    by `default_split_k`)."""
     tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
     _, y = _launch(x, None, None, 0.0, w, bias, tiles, pdl)
     return y
@@ -315,27 +314,52 @@ def norm_linear(
     eps: float,
     w: Weight,
     bias: torch.Tensor | None = None,
-    block_n: int = 16,
-    block_k: int = 256,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     pdl: bool = False,
     split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta (s = x when delta
     is None), in one launch: `kernels.fused_ops.add_rms_norm` followed by `skinny_linear`, with
-    the same roundings. x, delta [M, K] with M <= MAX_ROWS."""
+    the same roundings. x, delta [M, K] with M <= MAX_ROWS; tiles as for `skinny_linear`."""
     tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
     return _launch(x, delta, norm_weight, eps, w, bias, tiles, pdl)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int | None
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    split_k: int | None = None  # None: default_split_k
+
+    def over(self, base: dict) -> _Tiles:
+        """These tiles, each one left None taken from `base` (a tuned table's entry)."""
+        given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        known = {k: v for k, v in base.items() if k in _TILE_FIELDS}
+        return _Tiles(**{**known, **given})
+
+
+_TILE_FIELDS = tuple(f.name for f in dataclasses.fields(_Tiles))
+# Untuned sizes: 16-row stripes over 256 columns a step, K split by default_split_k.
+DEFAULT_TILES = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 3}
+
+
+def table_name(weights: str, n_out: int, k_in: int) -> str:
+    """The tuned table of a GEMV over an [n_out, k_in] weight of format `weights`
+    (kernels.quant.format_name), written by `python -m engine.bench.projections --tune`:
+    {"device": ..., "configs": {rows: {"block_n", "block_k", "num_warps", "num_stages",
+    "split_k"}}}."""
+    return f"gemv_{weights}_N{n_out}_K{k_in}.json"
+
+
+def tuned_tiles(weights: str, n_out: int, k_in: int, rows: int) -> dict:
+    """The tuned tiles of this GEMV at the nearest tuned row count, else DEFAULT_TILES."""
+    table = tuned.load(table_name(weights, n_out, k_in)) or {}
+    return {**DEFAULT_TILES, **(tuned.nearest(table.get("configs"), rows) or {})}
 
 
 # Enough programs to keep every SM streaming: a few per SM (BENCHMARKS.md, "Splitting K in the
@@ -361,6 +385,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
     assert 0 < n_rows <= MAX_ROWS and len(w.shape) == 2 and w.shape[1] == k_in
     assert is_quantized(w) or w.stride(1) == 1, "a plain w must be contiguous along K"
     kw = kernel_weight(w)
+    tiles = tiles.over(tuned_tiles(format_name(w), n_out, k_in, n_rows))
     block_n = tiles.block_n
     block_k = k_step(tiles.block_k, kw)
     n_stripes, k_steps = triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k)

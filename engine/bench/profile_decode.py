@@ -1,11 +1,14 @@
 """Which kernels a decode step or a prefill spends its GPU time in, from torch's profiler.
 
     python -m engine.bench.profile_decode [--layers 8] [--context 4096] [--rows 1]  # a step
+    python -m engine.bench.profile_decode --quant fp8 --fusions router+pdl          # FP8, a variant
     python -m engine.bench.profile_decode --prefill 4096 --chunk 512                # a prefill
 
-A Qwen3-30B-A3B-shaped model with random weights (fewer layers: each layer is identical work).
-The decode step is the engine's fused step (`engine.model.cuda_graph.DecodeStep`) run without its
-graph, so each kernel's device time shows; the graph removes the launch gaps between them.
+A Qwen3-30B-A3B-shaped model with random weights (fewer layers: each layer is identical work),
+its projections in bf16 or quantized by the project's quantizer (--quant). The decode step is the
+engine's step (`engine.model.cuda_graph.DecodeStep`) with the engine's fusions or those of
+--fusions, run without its graph, so each kernel's device time shows; the graph removes the
+launch gaps between them.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import argparse
 
 import torch
 
+from engine.bench.decode import parse_variants
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.random_model import QWEN3_30B_A3B, random_model
 from engine.model.cuda_graph import DecodeStep
+from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels
 
 
 def main(argv=None):
@@ -28,10 +33,24 @@ def main(argv=None):
         "--prefill", type=int, default=0, help="profile a prefill of this many tokens instead"
     )
     ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward")
+    ap.add_argument("--quant", choices=("fp8", "int4"), help="quantized projections")
+    ap.add_argument(
+        "--fusions",
+        type=parse_variants,
+        help='the step\'s fusions joined by "+" ("unfused" for none); default: the engine\'s',
+    )
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
+    if args.fusions is not None and len(args.fusions) != 1:
+        ap.error("--fusions names one fusion set")
+    kernels = (
+        DEFAULT_KERNELS if args.fusions is None else StepKernels(fusions=frozenset(args.fusions[0]))
+    )
     model = random_model(
-        dict(QWEN3_30B_A3B, num_hidden_layers=args.layers), dtype=torch.bfloat16, device="cuda"
+        dict(QWEN3_30B_A3B, num_hidden_layers=args.layers),
+        dtype=torch.bfloat16,
+        device="cuda",
+        quant=args.quant,
     )
     c, bs = model.config, 16
     tokens = max(args.context, args.prefill) + 16
@@ -56,10 +75,14 @@ def main(argv=None):
 
         what = f"prefill of {args.prefill} tokens in chunks of {args.chunk}"
     else:
-        step = DecodeStep(model, pool, args.rows, per_seq)
+        step = DecodeStep(model, pool, args.rows, per_seq, kernels=kernels)
         step.load([7] * args.rows, [args.context] * args.rows, tables)
         work = step
-        what = f"decode step, {args.rows} rows at context {args.context}"
+        fusions = "+".join(sorted(kernels.fusions)) or "unfused"
+        what = (
+            f"{args.quant or 'bf16'} decode step ({fusions}), {args.rows} rows at context "
+            f"{args.context}"
+        )
 
     for _ in range(2):
         work()

@@ -3,10 +3,13 @@ against the Triton skinny GEMV (kernels.gemv) on bf16, FP8 and int4 weights, wit
 GEMV's tiles, each against the floor (bytes / measured read bandwidth).
 
     python -m engine.bench.projections --out projections.json      # a GPU, Qwen3-30B-A3B sizes
+    python -m engine.bench.projections --tune                       # ... and store the best tiles
     python -m engine.bench.projections --shape tiny --device cpu   # the checks only, interpreter
 
 Each case is checked against float64 on the dequantized weights before it is timed; weights are
-cycled (one graph runs every copy) so L2 cannot hold them.
+cycled (one graph runs every copy) so L2 cannot hold them. `--tune` writes each format and size's
+best tile per row count to kernels/configs/ (kernels.gemv.table_name), which the GEMV then takes
+for every call that names no tile; the fastest tile is checked against float64 again first.
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ import torch.nn.functional as F
 
 from engine.loading import fp8, int4
 from engine.loading.random_model import SHAPES
-from kernels.gemv import skinny_linear
+from kernels import tuned
+from kernels.gemv import skinny_linear, table_name
 from kernels.quant import dequantize, nbytes
 
 # (block_n, block_k, num_warps, split_k); split_k None: the kernel's default_split_k.
-TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)))
+TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8, 16)))
 DEFAULT_TILE = (16, 256, 4, None)
 UNSPLIT_TILE = (16, 256, 4, 1)
+
+
+def tile_config(tile: tuple) -> dict:
+    block_n, block_k, num_warps, split_k = tile
+    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=split_k)
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -87,10 +96,22 @@ def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
         default_us=times.get(DEFAULT_TILE),
         unsplit_us=times.get(UNSPLIT_TILE),
         best_us=times[best],
-        best_tile=dict(block_n=best[0], block_k=best[1], num_warps=best[2], split_k=best[3]),
+        best_tile=tile_config(best),
         tiles_us={"x".join(str(v) for v in tile): us for tile, us in times.items()},
     )
     return out
+
+
+def store_tuned(cases: list, device_name: str) -> list:
+    """Each (format, size)'s best tile per row count into its table in kernels/configs/."""
+    tables: dict = {}
+    for case in cases:
+        name = table_name(case["fmt"], case["out"], case["k"])
+        tables.setdefault(name, {})[str(case["rows"])] = case["best_tile"]
+    return [
+        str(tuned.save(name, {"device": device_name, "configs": configs}))
+        for name, configs in tables.items()
+    ]
 
 
 def main(argv=None) -> int:
@@ -100,8 +121,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--formats", default="bf16,fp8,int4")
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tune", action="store_true", help="store each case's best tile")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.tune and not (args.sweep and args.device.startswith("cuda")):
+        ap.error("--tune needs the sweep on a GPU")
     cuda = args.device.startswith("cuda")
     results: dict = {"shape": args.shape, "cases": []}
     if cuda:
@@ -123,6 +147,8 @@ def main(argv=None) -> int:
                     case["floor_us"] = floor_us
                     tiles = TILES + [DEFAULT_TILE] if args.sweep else [DEFAULT_TILE, UNSPLIT_TILE]
                     case.update(time_case(x, ws, fmt, tiles))
+                    best = skinny_linear(x, ws[0], **case["best_tile"])
+                    case["best_error"] = relative_error(best, x, ws[0])
                 results["cases"].append(case)
                 line = f"{name:>3} {fmt:>4} rows={rows:<2} err {err:.2e}"
                 if cuda:
@@ -137,6 +163,11 @@ def main(argv=None) -> int:
                 print(line, flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))
+    if args.tune:
+        results["tables"] = store_tuned(results["cases"], torch.cuda.get_device_name())
+        print("stored: " + ", ".join(results["tables"]), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -2,11 +2,15 @@
 # GPU: what the quantized weights are measured by, in one call (results and logs under $OUT):
 #   moe     the MoE layer in bf16, FP8 and int4 side by side (quantized warp decode tuned first,
 #           its tables written to kernels/configs/ and copied to $OUT/configs)
+#   projections  the q/k/v and o GEMVs in bf16, FP8 and int4 against cuBLAS, their tiles tuned
+#           (tables written to kernels/configs/ and copied to $OUT/configs)
 #   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
 #   variants  the decode step's fusion sets side by side in bf16, FP8 and int4 (VARIANTS; each
 #           checked against the unfused step's logits first)
+#   profile the engine's decode step kernel by kernel in bf16, FP8 and int4 (8 layers, B=1, 4K;
+#           without its graph, so each kernel's device time shows)
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
 #   latency the latency suite on FP8 under a 40 GB cap (keystroke -> first token with cache and
 #           warm-up); a machine without the language server's packages needs the wheels of
@@ -18,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-moe,decode,variants,fit,latency}
+STAGES=${STAGES:-moe,projections,decode,variants,profile,fit,latency}
 MOE_ARGS=${MOE_ARGS:-}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -29,6 +33,12 @@ if has moe; then
     # shellcheck disable=SC2086
     "$PYTHON" -m engine.bench.moe_formats --tune $MOE_ARGS --out "$OUT/moe_formats.json" 2>&1 \
         | tee "$OUT/moe_formats.log"
+fi
+if has projections; then
+    "$PYTHON" -m engine.bench.projections --tune --out "$OUT/projections.json" 2>&1 \
+        | tee "$OUT/projections.log"
+fi
+if has moe || has projections; then
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
 fi
 decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K
@@ -47,6 +57,14 @@ if has variants; then
     variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
     for quant in fp8 int4 bf16; do
         decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
+    done
+fi
+if has profile; then
+    for quant in bf16 fp8 int4; do
+        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+        # shellcheck disable=SC2086
+        "$PYTHON" -m engine.bench.profile_decode --layers 8 --context 4096 --top 30 $flag 2>&1 \
+            | tee "$OUT/profile_$quant.log"
     done
 fi
 if has fit; then

@@ -85,3 +85,53 @@ def test_split_k_gives_the_same_bits_every_launch_and_resets_its_counters(fmt, m
     assert not counters_of(x.device, COUNTERS_USER).any()
     whole = skinny_linear(x, w, block_n=16, block_k=32, split_k=1)
     assert ((first.double() - whole.double()).norm() / whole.double().norm()).item() < 1e-2
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """kernels/configs/ in a temporary folder, so a test's tables never reach the repo's."""
+    from kernels import tuned
+
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
+    tuned.load.cache_clear()
+    yield tmp_path
+    tuned.load.cache_clear()
+
+
+def test_tuned_tiles_come_from_the_table_of_the_nearest_rows(config_dir):
+    from engine.bench.projections import store_tuned
+    from kernels.gemv import DEFAULT_TILES, tuned_tiles
+
+    one = dict(block_n=32, block_k=64, num_warps=4, split_k=2)
+    eight = dict(block_n=16, block_k=32, num_warps=8, split_k=3)
+    cases = [
+        dict(fmt="fp8", out=40, k=96, rows=1, best_tile=one),
+        dict(fmt="fp8", out=40, k=96, rows=8, best_tile=eight),
+    ]
+    (path,) = store_tuned(cases, "a GPU")
+    assert path.endswith("gemv_fp8_N40_K96.json")
+    assert tuned_tiles("fp8", 40, 96, 1) == {**DEFAULT_TILES, **one}
+    assert tuned_tiles("fp8", 40, 96, 6) == {**DEFAULT_TILES, **eight}
+    assert tuned_tiles("int4", 40, 96, 1) == DEFAULT_TILES  # another format: no table
+    assert tuned_tiles("fp8", 40, 128, 1) == DEFAULT_TILES  # another size
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_a_call_without_tiles_runs_the_tuned_ones(fmt, config_dir):
+    """The table's tiles (a split of K the CPU default never takes) give the same bits as the
+    same tiles passed by hand, and differ from the defaults' only by the order of the sums."""
+    from engine.bench.projections import store_tuned
+
+    g = torch.Generator().manual_seed(11)
+    rows, n_out, k_in = 3, 40, 256
+    x = torch.randn(rows, k_in, generator=g).bfloat16()
+    w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).bfloat16()
+    w = w if fmt == "bf16" else quantize(w, fmt, 32)
+    untuned = skinny_linear(x, w)
+    tiles = dict(block_n=32, block_k=64, num_warps=4, split_k=4)
+    store_tuned([dict(fmt=fmt, out=n_out, k=k_in, rows=1, best_tile=tiles)], "a GPU")
+    got = skinny_linear(x, w)
+    assert torch.equal(got, skinny_linear(x, w, **tiles))
+    assert torch.allclose(got.float(), untuned.float(), rtol=2e-2, atol=2e-2)
+    # Explicit tiles still win over the table.
+    assert torch.equal(skinny_linear(x, w, block_n=16, block_k=256, split_k=1), untuned)
