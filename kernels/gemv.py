@@ -337,10 +337,9 @@ class _Tiles:
     split_k: int | None = None  # None: default_split_k
 
     def over(self, base: dict) -> _Tiles:
-        """These tiles, each one left None taken from `base` (a tuned table's entry)."""
+        """These tiles, each one left None taken from `base` (tuned_tiles)."""
         given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        known = {k: v for k, v in base.items() if k in _TILE_FIELDS}
-        return _Tiles(**{**known, **given})
+        return _Tiles(**{**base, **given})
 
 
 _TILE_FIELDS = tuple(f.name for f in dataclasses.fields(_Tiles))
@@ -352,14 +351,25 @@ def table_name(weights: str, n_out: int, k_in: int) -> str:
     """The tuned table of a GEMV over an [n_out, k_in] weight of format `weights`
     (kernels.quant.format_name), written by `python -m engine.bench.projections --tune`:
     {"device": ..., "configs": {rows: {"block_n", "block_k", "num_warps", "num_stages",
-    "split_k"}}}."""
+    "split_k"}}}; a bf16 table's entries also say whether they beat cuBLAS ("beats_library")."""
     return f"gemv_{weights}_N{n_out}_K{k_in}.json"
+
+
+def _tuned(weights: str, n_out: int, k_in: int, rows: int) -> dict:
+    table = tuned.load(table_name(weights, n_out, k_in)) or {}
+    return tuned.nearest(table.get("configs"), rows) or {}
 
 
 def tuned_tiles(weights: str, n_out: int, k_in: int, rows: int) -> dict:
     """The tuned tiles of this GEMV at the nearest tuned row count, else DEFAULT_TILES."""
-    table = tuned.load(table_name(weights, n_out, k_in)) or {}
-    return {**DEFAULT_TILES, **(tuned.nearest(table.get("configs"), rows) or {})}
+    tiles = {k: v for k, v in _tuned(weights, n_out, k_in, rows).items() if k in _TILE_FIELDS}
+    return {**DEFAULT_TILES, **tiles}
+
+
+def beats_library(n_out: int, k_in: int, rows: int) -> bool:
+    """Whether the tuned GEMV over a bf16 [n_out, k_in] weight was faster than the library's
+    GEMM (cuBLAS) at the nearest tuned row count; untuned sizes stay with the library."""
+    return bool(_tuned("bf16", n_out, k_in, rows).get("beats_library", False))
 
 
 # Enough programs to keep every SM streaming: a few per SM (BENCHMARKS.md, "Splitting K in the

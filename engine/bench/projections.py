@@ -9,7 +9,8 @@ GEMV's tiles, each against the floor (bytes / measured read bandwidth).
 Each case is checked against float64 on the dequantized weights before it is timed; weights are
 cycled (one graph runs every copy) so L2 cannot hold them. `--tune` writes each format and size's
 best tile per row count to kernels/configs/ (kernels.gemv.table_name), which the GEMV then takes
-for every call that names no tile; the fastest tile is checked against float64 again first.
+for every call that names no tile, and for bf16 whether it beat cuBLAS (then the model's
+projections take it: kernels.quant_linear); the fastest tile is checked against float64 again.
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def store_tuned(cases: list, device_name: str) -> list:
     tables: dict = {}
     for case in cases:
         name = table_name(case["fmt"], case["out"], case["k"])
-        tables.setdefault(name, {})[str(case["rows"])] = case["best_tile"]
+        entry = dict(case["best_tile"])
+        if "cublas_us" in case:
+            entry["beats_library"] = case["best_us"] < case["cublas_us"]
+        tables.setdefault(name, {})[str(case["rows"])] = entry
     return [
         str(tuned.save(name, {"device": device_name, "configs": configs}))
         for name, configs in tables.items()

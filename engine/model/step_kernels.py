@@ -11,7 +11,8 @@ without it in one run (`engine.bench.decode`: its step variants add one fusion a
   launch (kernels.router.norm_route);
 - "attention_merge": the last split of each head merges the splits (kernels.paged_attention);
 - "gemv": the q/k/v and o projections of plain weights on the Triton GEMV, which splits K to
-  fill the GPU (quantized weights always take it; plain ones otherwise take cuBLAS);
+  fill the GPU (quantized weights always take it; plain ones otherwise take cuBLAS, or the GEMV
+  where its tuned table measured it faster: kernels.quant_linear);
 - "pdl": every Triton kernel of the step is a link of a programmatic-dependent-launch chain
   (kernels.pdl), so each starts, and loads its first weights, while the previous one drains;
   the q/k/v and o projections then run as Triton GEMVs, which can be links.

@@ -116,6 +116,22 @@ def test_tuned_tiles_come_from_the_table_of_the_nearest_rows(config_dir):
     assert tuned_tiles("fp8", 40, 128, 1) == DEFAULT_TILES  # another size
 
 
+def test_bf16_tables_say_where_the_gemv_beats_the_library(config_dir):
+    from engine.bench.projections import store_tuned
+    from kernels.gemv import beats_library, tuned_tiles
+
+    tile = dict(block_n=32, block_k=64, num_warps=4, split_k=2)
+    cases = [
+        dict(fmt="bf16", out=40, k=96, rows=1, best_tile=tile, best_us=8.0, cublas_us=9.0),
+        dict(fmt="bf16", out=40, k=96, rows=8, best_tile=tile, best_us=9.5, cublas_us=9.0),
+    ]
+    store_tuned(cases, "a GPU")
+    assert beats_library(40, 96, 1) and beats_library(40, 96, 3)
+    assert not beats_library(40, 96, 8)
+    assert not beats_library(40, 128, 1)  # untuned: the library
+    assert "beats_library" not in tuned_tiles("bf16", 40, 96, 1)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
 def test_a_call_without_tiles_runs_the_tuned_ones(fmt, config_dir):
     """The table's tiles (a split of K the CPU default never takes) give the same bits as the
