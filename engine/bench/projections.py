@@ -1,6 +1,6 @@
-"""The decode step's projections (q/k/v and o) at a model shape's sizes: cuBLAS on bf16 weights
-against the Triton skinny GEMV (kernels.gemv) on bf16, FP8 and int4 weights, with a sweep of the
-GEMV's tiles, each against the floor (bytes / measured read bandwidth).
+"""The decode step's projections (q/k/v, o and the lm_head) at a model shape's sizes: cuBLAS on
+bf16 weights against the Triton skinny GEMV (kernels.gemv) on bf16, FP8 and int4 weights, with a
+sweep of the GEMV's tiles, each against the floor (bytes / measured read bandwidth).
 
     python -m engine.bench.projections --out projections.json      # a GPU, Qwen3-30B-A3B sizes
     python -m engine.bench.projections --tune                       # ... and store the best tiles
@@ -41,14 +41,18 @@ def tile_config(tile: tuple) -> dict:
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
-    """(out, in) of the decode step's attention projections."""
+    """(out, in) of the decode step's attention projections and lm_head."""
     heads, kv, dim, hidden = (
         shape["num_attention_heads"],
         shape["num_key_value_heads"],
         shape["head_dim"],
         shape["hidden_size"],
     )
-    return {"qkv": ((heads + 2 * kv) * dim, hidden), "o": (hidden, heads * dim)}
+    return {
+        "qkv": ((heads + 2 * kv) * dim, hidden),
+        "o": (hidden, heads * dim),
+        "lm_head": (shape["vocab_size"], hidden),
+    }
 
 
 def weights(fmt: str, n_out: int, k_in: int, device, copies: int, seed: int) -> list:
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--formats", default="bf16,fp8,int4")
+    ap.add_argument("--projections", default="qkv,o,lm_head", help="which of qkv, o, lm_head")
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tune", action="store_true", help="store each case's best tile")
     ap.add_argument("--out", type=Path)
@@ -138,9 +143,14 @@ def main(argv=None) -> int:
         bandwidth = read_bandwidth()["read_bytes_per_s"]
         results["read_bytes_per_s"] = bandwidth
         print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    for name, (n_out, k_in) in projection_sizes(SHAPES[args.shape]).items():
+    sizes = projection_sizes(SHAPES[args.shape])
+    for name in args.projections.split(","):
+        if name not in sizes:
+            ap.error(f"unknown projection {name!r}; known: {', '.join(sizes)}")
+    for name in args.projections.split(","):
+        n_out, k_in = sizes[name]
         for fmt in args.formats.split(","):
-            copies = 12 if cuda else 1  # > L2 at the real sizes
+            copies = 12 if cuda and n_out * k_in < 1 << 26 else (2 if cuda else 1)  # > L2
             ws = weights(fmt, n_out, k_in, args.device, copies, seed=n_out + k_in)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k_in, device=args.device).bfloat16()
@@ -154,7 +164,7 @@ def main(argv=None) -> int:
                     best = skinny_linear(x, ws[0], **case["best_tile"])
                     case["best_error"] = relative_error(best, x, ws[0])
                 results["cases"].append(case)
-                line = f"{name:>3} {fmt:>4} rows={rows:<2} err {err:.2e}"
+                line = f"{name:>7} {fmt:>4} rows={rows:<2} err {err:.2e}"
                 if cuda:
                     cublas = case.get("cublas_us")
                     line += (
@@ -165,13 +175,12 @@ def main(argv=None) -> int:
                         + f"  best {case['best_us']:6.1f} {case['best_tile']}"
                     )
                 print(line, flush=True)
+                if args.tune:  # after every case: a run cut short keeps what it measured
+                    results["tables"] = store_tuned(results["cases"], torch.cuda.get_device_name())
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))
     if args.tune:
-        results["tables"] = store_tuned(results["cases"], torch.cuda.get_device_name())
         print("stored: " + ", ".join(results["tables"]), flush=True)
-        if args.out:
-            args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 
