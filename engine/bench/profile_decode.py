@@ -78,7 +78,7 @@ def main(argv=None):
         step = DecodeStep(model, pool, args.rows, per_seq, kernels=kernels)
         step.load([7] * args.rows, [args.context] * args.rows, tables)
         work = step
-        fusions = "+".join(sorted(kernels.fusions)) or "unfused"
+        fusions = "+".join(sorted(step.ops.fusions)) or "unfused"
         what = (
             f"{args.quant or 'bf16'} decode step ({fusions}), {args.rows} rows at context "
             f"{args.context}"

@@ -7,10 +7,10 @@ replay a whole step with no Python in between. With every fusion of engine.model
 it is seven (the q/k/v projection with the residual add and RMSNorm before it, q/k norm + RoPE
 + KV store, paged attention with its merge, the o projection, add + RMSNorm + router + top-k,
 warp decode's two kernels), linked by programmatic dependent launch; the engine turns each on
-once a GPU measurement has checked it (step_kernels.DEFAULT_FUSIONS). The captured step and
-the eager one are the same code (`DecodeStep.__call__`): the CUDA backend's decoder layer,
-over the model's `LayerWeights` and with the general layer's `mlp` (engine.model.layer), whose
-MoE path the model's options choose.
+once a GPU measurement has checked it, per weight format (step_kernels.default_fusions). The
+captured step and the eager one are the same code (`DecodeStep.__call__`): the CUDA backend's
+decoder layer, over the model's `LayerWeights` and with the general layer's `mlp`
+(engine.model.layer), whose MoE path the model's options choose.
 
 A row is one query token with its own block table and length. Rows are a batch of decode
 steps, or several new tokens of one sequence (each row ends at its own position, so the
@@ -31,6 +31,7 @@ from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels, StepOps
 from kernels import reference as ref
 from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
 from kernels.paged_attention import default_splits
+from kernels.quant import format_name
 from kernels.quant_linear import linear
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,14 @@ class DecodeStep:
             self.k_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.v_scratch = torch.empty(shape, dtype=model.dtype, device=device)
             self.scratch_slots = torch.arange(rows, device=device)
-        self.ops = StepOps(kernels, rows, cfg.num_kv_heads, cfg.rms_norm_eps, device)
+        self.ops = StepOps(
+            kernels,
+            rows,
+            cfg.num_kv_heads,
+            cfg.rms_norm_eps,
+            device,
+            format_name(model.layers[0].w_qkv),
+        )
         self.logits: torch.Tensor | None = None  # [rows, V] fp32, written by each call
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits
 

@@ -38,9 +38,22 @@ GEMV = "gemv"
 PDL = "pdl"
 FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, GEMV, PDL)
 # The engine's step takes a fusion once a GPU run of engine.bench.decode has shown it giving the
-# unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): so far the
-# router's; the others were slower there.
+# unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): the router's
+# in every format; the others were slower there.
 DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
+# The PDL chain as well, by the projections' weight format, for steps of up to this many rows:
+# where the whole step measured faster with it (BENCHMARKS.md, "Tuned GEMV tiles and quantized
+# lm_heads"): FP8 at 1 and 8 rows; bf16 at 1 (at 8 its projections' GEMV loses to cuBLAS);
+# int4 at neither.
+PDL_MAX_ROWS = {"fp8": 8, "bf16": 1}
+
+
+def default_fusions(weight_format: str, rows: int) -> frozenset[str]:
+    """The engine's fusions for a step of `rows` rows over projections in `weight_format`
+    ("bf16", "fp8", "int4": kernels.quant.format_name)."""
+    if rows <= PDL_MAX_ROWS.get(weight_format, 0):
+        return DEFAULT_FUSIONS | {PDL}
+    return DEFAULT_FUSIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +66,11 @@ class StepKernels:
     # the Triton GEMV with "gemv" or when the step is a PDL chain.
     linear: Callable | None = None
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
-    fusions: frozenset[str] = DEFAULT_FUSIONS
+    # None: the engine's choice for the step's weight format and rows (default_fusions)
+    fusions: frozenset[str] | None = None
 
     def __post_init__(self):
-        unknown = set(self.fusions) - set(FUSIONS)
+        unknown = set(self.fusions or ()) - set(FUSIONS)
         if unknown:
             raise ValueError(f"unknown fusions {sorted(unknown)}; known: {FUSIONS}")
 
@@ -65,15 +79,27 @@ DEFAULT_KERNELS = StepKernels()
 
 
 class StepOps:
-    """The fusable stages of a decode step of `rows` rows on `device`, as `kernels` chose them.
+    """The fusable stages of a decode step of `rows` rows on `device`, as `kernels` chose them
+    (or, where they name no fusions, as default_fusions does for `weight_format`).
 
     Fusions that need CUDA-sized kernels (GEMV rows, a plain tensor input) fall back to the
     separate kernels where they don't apply, so every step computes the same values."""
 
-    def __init__(self, kernels: StepKernels, rows: int, n_kv_heads: int, eps: float, device):
+    def __init__(
+        self,
+        kernels: StepKernels,
+        rows: int,
+        n_kv_heads: int,
+        eps: float,
+        device,
+        weight_format: str = "bf16",
+    ):
         from kernels.gemv import MAX_ROWS
 
         fusions = kernels.fusions
+        if fusions is None:
+            fusions = default_fusions(weight_format, rows)
+        self.fusions = fusions
         self.eps = eps
         self.attention_fn = kernels.attention
         self.pdl = PDL in fusions and torch.device(device).type == "cuda"

@@ -14,7 +14,13 @@ from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.loader import load_model
 from engine.loading.tokenizer import Tokenizer
 from engine.model.cuda_graph import DecodeGraphs, DecodeStep
-from engine.model.step_kernels import DEFAULT_FUSIONS, FUSIONS, StepKernels
+from engine.model.step_kernels import (
+    DEFAULT_FUSIONS,
+    FUSIONS,
+    StepKernels,
+    StepOps,
+    default_fusions,
+)
 
 BLOCK = 4
 
@@ -182,6 +188,24 @@ def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
         logits.append(step.logits.clone())
         assert not step.ops.router_counters.any() and not step.ops.attention_counters.any()
     assert _max_rel(logits[1], logits[0]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "weight_format,rows,pdl",
+    [("fp8", 1, True), ("fp8", 8, True), ("fp8", 16, False), ("bf16", 1, True)]
+    + [("bf16", 2, False), ("int4", 1, False), ("int4", 8, False)],
+)
+def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, rows, pdl):
+    """The router's fusion always; the PDL chain where the step measured faster with it."""
+    fusions = default_fusions(weight_format, rows)
+    assert fusions == DEFAULT_FUSIONS | ({"pdl"} if pdl else set())
+    ops = StepOps(StepKernels(), rows, 2, 1e-6, "cpu", weight_format)
+    assert ops.fusions == fusions and not ops.pdl  # PDL is CUDA's: the CPU runs plain launches
+    # Fusions named by hand win.
+    assert (
+        StepOps(StepKernels(fusions=frozenset()), rows, 2, 1e-6, "cpu", weight_format).fusions
+        == set()
+    )
 
 
 def test_unknown_fusion_is_refused():
