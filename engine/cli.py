@@ -188,6 +188,7 @@ def _random_model(args: argparse.Namespace, options):
         seed=args.random_seed,
         options=options,
         quant=args.quant,
+        quant_lm_head=args.quant_lm_head,
     )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 draws' blocks: another daemon may need the memory
@@ -442,6 +443,7 @@ def _quantize(args: argparse.Namespace) -> int:
             block=args.block,
             group=args.group,
             max_shard_bytes=int(args.max_shard_gb * 1e9),
+            lm_head=args.lm_head,
         )
     except (QuantizeError, OSError, ModelNotFound) as exc:
         print(f"wd-engine quantize: {exc}", file=sys.stderr)
@@ -712,6 +714,11 @@ def build_parser() -> argparse.ArgumentParser:
         "128), kept so on the GPU as a quantized checkpoint's are",
     )
     serve.add_argument(
+        "--quant-lm-head",
+        action="store_true",
+        help="with --quant: the random model's own lm_head quantized too (as `quantize --lm-head`)",
+    )
+    serve.add_argument(
         "--random-vocab-size",
         type=int,
         help="vocabulary of the random model (default: the shape's)",
@@ -761,6 +768,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="largest weight file written (default 5 GB); more get an index",
+    )
+    quant.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="quantize the lm_head too (models with their own, such as Qwen3-30B-A3B): a smaller, "
+        "faster decode step, every logit a little further from the source's; left as stored by "
+        "default, as in Qwen's FP8 releases",
     )
     quant.add_argument(
         "src", metavar="SRC", help="the model to quantize: a folder, or a repo id pulled before"

@@ -40,7 +40,7 @@ from engine.model.step_kernels import (
     ROUTER,
     StepKernels,
 )
-from kernels.quant import is_quantized
+from kernels.quant import dequantize, is_quantized
 
 
 def expected_experts(batch: int, experts: int, top_k: int) -> float:
@@ -53,9 +53,11 @@ def expected_experts(batch: int, experts: int, top_k: int) -> float:
 WEIGHT_BYTES = {None: 2.0, "fp8": 1 + 4 / 128**2, "int4": 0.5 + 2 / 128}
 
 
-def step_bytes(cfg, batch: int, context: int, quant: str | None = None) -> dict:
-    """Bytes one decode step must read, by part (projections in `quant`'s format, the rest and
-    the KV in bf16)."""
+def step_bytes(
+    cfg, batch: int, context: int, quant: str | None = None, quant_lm_head: bool = False
+) -> dict:
+    """Bytes one decode step must read, by part (projections, and with `quant_lm_head` the
+    lm_head, in `quant`'s format; the rest and the KV in bf16)."""
     h, d, e, w = cfg.hidden_size, cfg.head_dim, 2, WEIGHT_BYTES[quant]
     attn = (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h + h * cfg.num_heads * d
     experts = (
@@ -68,7 +70,7 @@ def step_bytes(cfg, batch: int, context: int, quant: str | None = None) -> dict:
     kv = batch * (context + 1) * 2 * cfg.num_kv_heads * d
     parts = dict(attention=attn * w, experts=experts * w, router=router * e, kv_cache=kv * e)
     parts = {k: v * cfg.num_layers for k, v in parts.items()}
-    parts["lm_head"] = cfg.vocab_size * h * e
+    parts["lm_head"] = cfg.vocab_size * h * (w if quant_lm_head else e)
     return parts
 
 
@@ -294,6 +296,11 @@ def main(argv=None) -> int:
         help="projections quantized by the project's quantizer (FP8 blocks / int4 groups of 128)",
     )
     ap.add_argument(
+        "--quant-lm-head",
+        action="store_true",
+        help="with --quant: the lm_head quantized too (wd-engine quantize --lm-head)",
+    )
+    ap.add_argument(
         "--stages",
         default=",".join(STAGES),
         help=f"what to run, of {','.join(STAGES)} (check: the fused steps' logits against the "
@@ -307,6 +314,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.quant_lm_head and not args.quant:
+        ap.error("--quant-lm-head needs --quant")
     stages = set(args.stages.split(","))
     if stages - set(STAGES):
         ap.error(f"unknown stages {sorted(stages - set(STAGES))}; known: {','.join(STAGES)}")
@@ -328,13 +337,22 @@ def main(argv=None) -> int:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    model = random_model(SHAPES[args.shape], dtype=dtype, device=args.device, quant=args.quant)
+    model = random_model(
+        SHAPES[args.shape],
+        dtype=dtype,
+        device=args.device,
+        quant=args.quant,
+        quant_lm_head=args.quant_lm_head,
+    )
     cfg = model.config
     results["quant"] = args.quant
+    results["quant_lm_head"] = args.quant_lm_head
     results["weight_bytes"] = weight_bytes(model)
     log(
         f"model {args.shape}: {results['weight_bytes'] / 1e9:.2f} GB of {dtype} weights "
-        f"({args.quant or 'unquantized'} projections) built in {time.perf_counter() - t0:.1f} s"
+        f"({args.quant or 'unquantized'} projections"
+        f"{', lm_head too' if args.quant_lm_head else ''}) "
+        f"built in {time.perf_counter() - t0:.1f} s"
     )
     if cuda:
         from kernels.bench.gpu_timing import read_bandwidth
@@ -406,7 +424,7 @@ def main(argv=None) -> int:
                     if moe_name == "expert_centric" and context != split_context:
                         continue  # the comparison of MoE paths at one context is enough
                     seconds = bench.step_time(graphs, batch, context)
-                    parts = step_bytes(cfg, batch, context, args.quant)
+                    parts = step_bytes(cfg, batch, context, args.quant, args.quant_lm_head)
                     row = dict(
                         moe=moe_name,
                         batch=batch,
@@ -464,14 +482,22 @@ def main(argv=None) -> int:
     # -- kernel choices for the step, side by side (each its own graph) ----------------------------
     if "variants" in stages:
         variants = {}
+        # A quantized lm_head's variants are timed again with it in bf16, side by side.
+        heads = [("", model)]
+        if is_quantized(model.lm_head):
+            heads.append((", bf16 lm_head", with_plain_lm_head(model)))
         for batch in sorted({split_batch, *batches}):
             for name, kernels in step_variants(cfg, batch, split_context, args.variants):
-                graphs = DecodeGraphs(model, pool, graph_tokens, buckets=(batch,), kernels=kernels)
-                ms = bench.step_time(graphs, batch, split_context) * 1e3
-                variants[f"B{batch} {name}"] = ms
-                log(f"  variant B={batch} ctx={split_context} {name:<32} {ms:7.3f} ms")
-                del graphs
+                for head, head_model in heads:
+                    graphs = DecodeGraphs(
+                        head_model, pool, graph_tokens, buckets=(batch,), kernels=kernels
+                    )
+                    ms = bench.step_time(graphs, batch, split_context) * 1e3
+                    variants[f"B{batch} {name}{head}"] = ms
+                    log(f"  variant B={batch} ctx={split_context} {name + head:<44} {ms:7.3f} ms")
+                    del graphs
         results["step_variants_ms"] = variants
+        del heads
         save()
 
     if "eager" in stages:
@@ -571,6 +597,18 @@ def compare_with_dequantized(model, prompt_tokens: int, positions: int, log) -> 
     )
     del plain, steps
     return out
+
+
+def with_plain_lm_head(model: Qwen3MoeModel) -> Qwen3MoeModel:
+    """The model (its weights shared) with its quantized lm_head dequantized to its dtype."""
+    return Qwen3MoeModel(
+        model.config,
+        model.embed,
+        model.layers,
+        model.final_norm,
+        dequantize(model.lm_head, model.dtype),
+        model.options,
+    )
 
 
 def _layers_whose_copy_fits(model, margin_bytes: int = 4 << 30) -> int:

@@ -19,10 +19,13 @@
 #   bash engine/bench/quantized_gpu.sh                 # all stages
 #   STAGES=moe,decode bash engine/bench/quantized_gpu.sh
 #   STAGES=moe MOE_ARGS="--formats fp8,int4 --batches 1,2,4,8" bash engine/bench/quantized_gpu.sh
+#   QUANT_LM_HEAD=1 STAGES=variants bash engine/bench/quantized_gpu.sh  # FP8/int4 lm_heads too,
+#           each variant also timed with the bf16 lm_head
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
 STAGES=${STAGES:-moe,projections,decode,variants,profile,fit,latency}
+QUANT_LM_HEAD=${QUANT_LM_HEAD:-}
 MOE_ARGS=${MOE_ARGS:-}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -44,7 +47,7 @@ fi
 decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K
     local name=$1 quant=$2 flag
     shift 2
-    flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+    flag=$([ "$quant" = bf16 ] || echo "--quant $quant ${QUANT_LM_HEAD:+--quant-lm-head}")
     # shellcheck disable=SC2086
     "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
         --no-transformers $flag "$@" --out "$OUT/${name}_$quant.json" 2>&1 \
@@ -55,7 +58,7 @@ if has decode; then
 fi
 if has variants; then
     variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
-    for quant in fp8 int4 bf16; do
+    for quant in ${VARIANT_FORMATS:-fp8 int4 bf16}; do
         decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
     done
 fi

@@ -86,13 +86,17 @@ def random_model(
     options: ModelOptions | None = None,
     quant: str | None = None,
     quant_size: int = 128,
+    quant_lm_head: bool = False,
 ) -> Qwen3MoeModel:
     """`quant`: None, "fp8" (blocks of quant_size x quant_size) or "int4" (groups of
-    quant_size input columns) for the attention and MLP projections."""
+    quant_size input columns) for the attention and MLP projections, and with `quant_lm_head`
+    for the model's own lm_head (a tied one stays the embedding)."""
     cfg = ModelConfig.from_dict(config)
     gen = torch.Generator(device=device).manual_seed(seed)
     if quant not in (None, "fp8", "int4"):
         raise ValueError(f"unknown quantization {quant!r}; expected fp8 or int4")
+    if quant_lm_head and (quant is None or cfg.tie_word_embeddings):
+        raise ValueError("a quantized lm_head needs --quant and a shape with its own lm_head")
 
     def w(*shape, fan_in):
         return (
@@ -142,5 +146,10 @@ def random_model(
             )
         )
     embed = w(cfg.vocab_size, h, fan_in=1)
-    lm_head = embed if cfg.tie_word_embeddings else w(cfg.vocab_size, h, fan_in=h)
+    if cfg.tie_word_embeddings:
+        lm_head = embed
+    elif quant_lm_head:
+        lm_head = proj(cfg.vocab_size, h, fan_in=h)
+    else:
+        lm_head = w(cfg.vocab_size, h, fan_in=h)
     return Qwen3MoeModel(cfg, embed, layers, norm(h), lm_head, options)

@@ -53,3 +53,21 @@ def test_a_variant_naming_an_unknown_fusion_is_refused():
     for spec in ("router+fast", "router||pdl"):
         with pytest.raises(argparse.ArgumentTypeError, match="bad variant"):
             parse_variants(spec)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+def test_a_quantized_lm_head_is_counted_and_timed_against_bf16(quant):
+    """The floor counts the lm_head in its format; the variants' bf16 twin holds its values."""
+    from engine.bench.decode import WEIGHT_BYTES, step_bytes, with_plain_lm_head
+    from engine.loading.random_model import random_model
+    from kernels.quant import dequantize, is_quantized
+
+    config = dict(SHAPES["tiny"], vocab_size=512, tie_word_embeddings=False)
+    model = random_model(config, torch.float32, quant=quant, quant_size=16, quant_lm_head=True)
+    cfg = model.config
+    head = cfg.vocab_size * cfg.hidden_size
+    assert step_bytes(cfg, 1, 64, quant, True)["lm_head"] == head * WEIGHT_BYTES[quant]
+    assert step_bytes(cfg, 1, 64, quant)["lm_head"] == head * 2
+    twin = with_plain_lm_head(model)
+    assert not is_quantized(twin.lm_head) and twin.layers is model.layers
+    assert torch.equal(twin.lm_head, dequantize(model.lm_head, torch.float32))

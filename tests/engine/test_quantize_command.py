@@ -406,3 +406,98 @@ def test_an_unknown_format_is_a_usage_error(src, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--to", "int8", str(src), str(tmp_path / "out")])
     assert exc.value.code == 2
+
+
+# --- --lm-head: the model's own lm_head quantized too ------------------------------------------
+
+# Divides the tiny checkpoint's vocabulary (300) too, as FP8 blocks must.
+LM_HEAD_SIZE = {"fp8": 4, "int4": 16}
+
+
+def _lm_head_flags(fmt: str) -> list[str]:
+    size = ["--block" if fmt == "fp8" else "--group", str(LM_HEAD_SIZE[fmt])]
+    return ["--to", fmt, *size, "--lm-head"]
+
+
+@pytest.fixture(scope="module")
+def with_lm_head(src, tmp_path_factory):
+    """fmt -> a DST written with --lm-head."""
+    done = {}
+    for fmt in FORMATS:
+        dst = tmp_path_factory.mktemp(f"{fmt}-head") / "model"
+        assert main(["quantize", *_lm_head_flags(fmt), str(src), str(dst)]) == 0
+        done[fmt] = dst
+    return done
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lm_head_is_written_quantized_and_configured_so(src, with_lm_head, fmt):
+    after = _tensors(with_lm_head[fmt])
+    stored = _tensors(src)["lm_head.weight"]
+    if fmt == "fp8":
+        assert after["lm_head.weight"].dtype == FP8
+        block = LM_HEAD_SIZE[fmt]
+        assert after["lm_head.weight_scale_inv"].shape == (300 // block, 64 // block)
+        plain = _reference_fp8(after["lm_head.weight"], after["lm_head.weight_scale_inv"], block)
+        assert (plain - stored).abs().max() <= stored.abs().max() / 16
+    else:
+        assert "lm_head.weight" not in after
+        assert after["lm_head.weight_packed"].shape == (300, 64 // 8)
+        assert after["lm_head.weight_shape"].tolist() == [300, 64]
+    # The embedding stays as stored; the head is no longer among the modules left unquantized.
+    assert torch.equal(
+        after["model.embed_tokens.weight"], _tensors(src)["model.embed_tokens.weight"]
+    )
+    quant = json.loads((with_lm_head[fmt] / "config.json").read_text())["quantization_config"]
+    kept = quant["modules_to_not_convert"] if fmt == "fp8" else quant["ignore"]
+    assert "lm_head" not in kept and "model.layers.0.mlp.gate" in kept
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_and_transformers_read_a_quantized_lm_head(src, with_lm_head, fmt, tmp_path):
+    """The engine's logits equal those of the same model with every quantized weight (the lm_head
+    among them) written dequantized in fp32, and transformers agrees."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate" if fmt == "fp8" else "compressed_tensors")
+    dst = with_lm_head[fmt]
+    before, after = _tensors(src), _tensors(dst)
+    size = LM_HEAD_SIZE[fmt]
+
+    def plain(name):
+        if fmt == "fp8":
+            return _reference_fp8(after[name], after[name + "_scale_inv"], size)
+        return _reference_int4(
+            after[name + "_packed"], after[name + "_scale"], after[name + "_shape"].tolist()
+        )
+
+    quantized = {n for n, t in before.items() if _is_projection(n, t)} | {"lm_head.weight"}
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, folder / name)
+    save_file(
+        {n: plain(n) if n in quantized else t for n, t in before.items()},
+        folder / "model.safetensors",
+    )
+
+    ids = _ids()
+    ours = engine_logits(dst, ids)
+    assert max_rel(ours, engine_logits(folder, ids)) < 1e-6
+    assert not torch.equal(plain("lm_head.weight"), before["lm_head.weight"])
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    for p in hf.parameters():
+        if p.dtype == torch.bfloat16:
+            p.data = p.data.float()
+    with torch.no_grad():
+        theirs = hf(ids).logits.float()
+    assert max_rel(ours, theirs) < 1e-4
+
+
+def test_lm_head_refusals(src, checkpoint_factory, tmp_path, capsys):
+    tied = checkpoint_factory(tie=True)
+    code, _, err = _run(capsys, *_lm_head_flags("int4"), tied, tmp_path / "a")
+    assert code == 1 and "ties its lm_head to the embedding" in err
+    # An FP8 block must divide the vocabulary too (300 is not a multiple of 16).
+    code, _, err = _run(capsys, "--to", "fp8", "--block", "16", "--lm-head", src, tmp_path / "b")
+    assert code == 1 and "lm_head.weight [300, 64]" in err and "vocabulary" in err
+    assert not any(tmp_path.iterdir())

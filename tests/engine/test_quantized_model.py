@@ -16,9 +16,15 @@ from engine.loading.random_model import TINY, random_model
 from engine.model.cuda_graph import DecodeStep
 from engine.model.options import ModelOptions
 from engine.model.qwen3_moe import weight_bytes
+from engine.model.step_kernels import default_fusions
 from kernels.quant import Fp8Weight, Int4Weight, is_quantized
 
 FORMATS = [("fp8", 16), ("int4", 16), ("int4", 32)]
+
+
+def _pool(model) -> KVPool:
+    cfg = model.config
+    return KVPool(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
 
 
 def _logits(model, tokens):
@@ -64,18 +70,32 @@ def test_random_quantized_model_equals_its_dequantized_copy(fmt, size):
     torch.testing.assert_close(_logits(model, tokens), _logits(plain, tokens), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt,size", [("fp8", 16), ("int4", 32)])
-def test_the_decode_step_reads_quantized_weights(fmt, size):
+@pytest.mark.parametrize(
+    "fmt,size,lm_head",
+    [("fp8", 16, False), ("int4", 32, False), ("fp8", 16, True), ("int4", 16, True)],
+)
+def test_the_decode_step_reads_quantized_weights(fmt, size, lm_head):
     """The fused decode step (interpreter) over the stored weights gives the logits of the same
-    step over the dequantized ones."""
+    step over the dequantized ones; `lm_head`: the model's own lm_head is quantized too. The
+    step takes the engine's fusions for its weight format."""
     general = ModelOptions(lean_decode=False)  # the prompt by the general path on both sides
+    config = dict(TINY, vocab_size=512, tie_word_embeddings=False) if lm_head else TINY
     model = random_model(
-        TINY, dtype=torch.float32, seed=4, quant=fmt, quant_size=size, options=general
+        config,
+        dtype=torch.float32,
+        seed=4,
+        quant=fmt,
+        quant_size=size,
+        options=general,
+        quant_lm_head=lm_head,
     )
-    cfg = model.config
+    assert is_quantized(model.lm_head) == lm_head
+    assert DecodeStep(model, _pool(model), rows=1, max_blocks=8).ops.fusions == default_fusions(
+        fmt, 1
+    )
     logits = []
     for m in (model, model.dequantized()):
-        pool = KVPool(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, m.dtype, m.device)
+        pool = _pool(m)
         table = list(range(8))
         prompt = [7, 11, 13, 17, 19]
         m.forward(torch.tensor([prompt]), torch.arange(5)[None], PagedBatch(pool, [table], "cpu"))
@@ -84,3 +104,10 @@ def test_the_decode_step_reads_quantized_weights(fmt, size):
         step()
         logits.append(step.logits.clone())
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_quantized_lm_head_needs_quantized_projections_and_an_own_head():
+    with pytest.raises(ValueError, match="own lm_head"):
+        random_model(TINY, quant="fp8", quant_size=16, quant_lm_head=True)  # tied
+    with pytest.raises(ValueError, match="own lm_head"):
+        random_model(dict(TINY, tie_word_embeddings=False), quant_lm_head=True)
