@@ -117,7 +117,9 @@ class Scheduler:
     def prompt_computed(self, state: RequestState) -> None:
         """The whole prompt's K/V are in the pool: shareable from now on."""
         if self.prefix_cache:
-            self.allocator.register(state.table.blocks, state.request.prompt_ids)
+            self.allocator.register(
+                state.table.blocks, state.request.prompt_ids, known=state.block_hashes
+            )
 
     def release(self, state: RequestState) -> None:
         """Take a request out of service and free its blocks (again: nothing)."""
@@ -129,7 +131,10 @@ class Scheduler:
             # Whatever was computed stays reusable: a superseded warm-up still warms.
             if self.prefix_cache:
                 self.allocator.register(
-                    state.table.blocks, state.tokens[: state.computed], partial=True
+                    state.table.blocks,
+                    state.tokens[: state.computed],
+                    partial=True,
+                    known=state.block_hashes,
                 )
             state.table.free()
             state.table = None
@@ -247,7 +252,9 @@ class Scheduler:
         # Keep at least the last prompt token to compute: its logits give the first new token.
         shared, cached = [], 0
         if self.prefix_cache:
-            shared, cached = self.allocator.match_prefix_partial(prompt, max_tokens=len(prompt) - 1)
+            shared, cached = self.allocator.match_prefix_partial(
+                prompt, max_tokens=len(prompt) - 1, known=state.block_hashes
+            )
         fresh = needed - len(shared) + (cached % bs > 0)  # a partial block is copied before writing
         if fresh > self.allocator.available() and not req.warm_only:
             self._preempt_warms(fresh, ended)
@@ -265,6 +272,7 @@ class Scheduler:
         if cached % bs:
             state.table.prepare_write(cached, cached + 1)  # copy it now, while the block is counted
         state.tokens = list(prompt)
+        del state.block_hashes[len(prompt) // bs :]  # any generated before are not the tokens now
         state.computed = state.cached = cached
         state.room = total
         state.started = time.monotonic()

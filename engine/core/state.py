@@ -26,6 +26,8 @@ class RequestState:
     table: BlockTable | None = None
     tokens: list[int] = field(default_factory=list)  # prompt, then generated tokens
     computed: int = 0  # tokens whose K/V are in the pool
+    # Chain hashes of the tokens' full blocks, extended as they grow (the prefix cache's keys).
+    block_hashes: list[bytes] = field(default_factory=list)
     room: int = 0  # tokens the blocks taken at admission hold (prompt, forced text, budget)
     cached: int = 0  # prompt tokens served from the prefix cache
     output: OutputAssembler | None = None  # None for a warm-up

@@ -57,17 +57,26 @@ class BlockAllocator:
         self.parent_of: dict[int, bytes] = {}
 
     # -- hashing -------------------------------------------------------------------------------
-    def chain_hashes(self, tokens: list[int]) -> list[bytes]:
-        """Hash of every full block of `tokens`, each chained on the one before."""
-        hashes, parent = [], self.salt
+    def chain_hashes(self, tokens: list[int], known: list[bytes] | None = None) -> list[bytes]:
+        """Hash of every full block of `tokens`, each chained on the one before.
+
+        `known`: the hashes of a sequence whose tokens only grow (a request's prompt, then what
+        it generates), of which `tokens` is a prefix: the hashes it lacks are appended to it, so
+        each block is hashed once however often the sequence is looked up or registered."""
         size = self.block_size
-        data = _token_bytes(tokens)  # 4 bytes a token, packed once: this runs on every request
-        for start in range(0, len(tokens) - size + 1, size):
-            h = hashlib.blake2b(parent, digest_size=16)
-            h.update(data[4 * start : 4 * (start + size)])
-            parent = h.digest()
-            hashes.append(parent)
-        return hashes
+        hashes = [] if known is None else known
+        full = len(tokens) // size
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else self.salt
+            first = len(hashes) * size
+            # 4 bytes a token, packed once: this runs on every request
+            data = _token_bytes(tokens[first : full * size])
+            for start in range(0, len(data), 4 * size):
+                h = hashlib.blake2b(parent, digest_size=16)
+                h.update(data[start : start + 4 * size])
+                parent = h.digest()
+                hashes.append(parent)
+        return hashes[:full]
 
     # -- sharing -------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
@@ -77,16 +86,21 @@ class BlockAllocator:
         return blocks
 
     def match_prefix_partial(
-        self, tokens: list[int], max_tokens: int | None = None, partial: bool = True
+        self,
+        tokens: list[int],
+        max_tokens: int | None = None,
+        partial: bool = True,
+        known: list[bytes] | None = None,
     ) -> tuple[list[int], int]:
         """Like `match_prefix`, then also the cached block that continues that prefix longest.
+        `known`: the sequence's hashes so far (`chain_hashes`).
 
         Returns (blocks, cached tokens). When the last block is a partial match, only its first
         `cached - block_size * (len(blocks) - 1)` tokens are valid: copy it before writing."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         size = self.block_size
         blocks, parent = [], self.salt
-        for h in self.chain_hashes(tokens[: limit - limit % size]):
+        for h in self.chain_hashes(tokens[: limit - limit % size], known):
             block = self.block_of.get(h)
             if block is None:
                 break
@@ -119,12 +133,19 @@ class BlockAllocator:
                 raise AssertionError(f"block {block} is free; allocate it instead")
         self.refs[block] += 1
 
-    def register(self, blocks: list[int], tokens: list[int], partial: bool = False) -> None:
+    def register(
+        self,
+        blocks: list[int],
+        tokens: list[int],
+        partial: bool = False,
+        known: list[bytes] | None = None,
+    ) -> None:
         """Index the full blocks of a sequence (`blocks` is its block table, `tokens` the tokens
-        whose K/V are in it). A block whose prefix is already indexed elsewhere stays private.
-        With `partial` (a sequence that is done writing), its partly filled last block too."""
+        whose K/V are in it; `known` its hashes so far, as for `chain_hashes`). A block whose
+        prefix is already indexed elsewhere stays private. With `partial` (a sequence that is
+        done writing), its partly filled last block too."""
         size = self.block_size
-        hashes = self.chain_hashes(tokens)
+        hashes = self.chain_hashes(tokens, known)
         parents = [self.salt] + hashes
         for index, (block, h) in enumerate(zip(blocks, hashes)):
             if block not in self.hash_of and h not in self.block_of:

@@ -2,7 +2,7 @@
 reference counts, capacity respected, whatever the order of operations."""
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -36,11 +36,15 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.alloc = BlockAllocator(POOL, BLOCK, salt="test")
         self.pool = ShadowPool()
-        self.seqs: list[tuple[BlockTable, list[int]]] = []
+        # Each sequence's table, tokens and chain hashes so far (extended as its tokens grow).
+        self.seqs: list[tuple[BlockTable, list[int], list[bytes]]] = []
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
     def allocate(self, tokens):
-        shared, cached = self.alloc.match_prefix_partial(tokens, max_tokens=len(tokens) - 1)
+        known = []
+        shared, cached = self.alloc.match_prefix_partial(
+            tokens, max_tokens=len(tokens) - 1, known=known
+        )
         table = BlockTable(self.alloc, self.pool, shared)
         assert self.pool.holds(table, tokens, cached)  # a hit holds exactly the prompt's tokens
         try:
@@ -50,41 +54,42 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert self.pool.holds(table, tokens, cached)
         self.pool.write(table, tokens, cached, len(tokens))
-        self.alloc.register(table.blocks, tokens)
-        self.seqs.append((table, tokens))
+        self.alloc.register(table.blocks, tokens, known=known)
+        assert known == self.alloc.chain_hashes(tokens)
+        self.seqs.append((table, tokens, known))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), extra=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9))
     def append(self, data, extra):
         i = data.draw(st.integers(0, len(self.seqs) - 1))
-        table, tokens = self.seqs[i]
+        table, tokens, known = self.seqs[i]
         try:
             table.prepare_write(len(tokens), len(tokens) + len(extra))
         except PoolExhausted:
             return
         self.pool.write(table, tokens + extra, len(tokens), len(tokens) + len(extra))
         tokens = tokens + extra
-        self.alloc.register(table.blocks, tokens)
-        self.seqs[i] = (table, tokens)
+        self.alloc.register(table.blocks, tokens, known=known)
+        self.seqs[i] = (table, tokens, known)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def finish(self, data):
         """A sequence done writing: its partly filled last block becomes reusable too."""
-        table, tokens = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
-        self.alloc.register(table.blocks, tokens, partial=True)
+        table, tokens, known = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        self.alloc.register(table.blocks, tokens, partial=True, known=known)
         table.free()
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data):
-        table, tokens = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
-        self.seqs.append((table.fork(), list(tokens)))
+        table, tokens, known = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
+        self.seqs.append((table.fork(), list(tokens), list(known)))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def free(self, data):
-        table, _ = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        table, _, _ = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
         table.free()
 
     @rule()
@@ -95,15 +100,16 @@ class PoolMachine(RuleBasedStateMachine):
     def consistent(self):
         self.alloc.check_invariants()
         expected = [0] * POOL
-        for table, tokens in self.seqs:
+        for table, tokens, known in self.seqs:
             assert table.capacity >= len(tokens)
+            assert known == self.alloc.chain_hashes(tokens)
             for block in table.blocks:
                 expected[block] += 1
         assert expected == self.alloc.refs  # every reference is held by exactly one table slot
         assert sum(1 for r in self.alloc.refs if r) + self.alloc.available() == POOL
 
     def teardown(self):
-        for table, _ in self.seqs:
+        for table, _, _ in self.seqs:
             table.free()
         self.alloc.check_invariants()
         assert all(r == 0 for r in self.alloc.refs)
@@ -111,6 +117,21 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=60),
+    st.lists(st.integers(0, 60), max_size=6),
+)
+def test_known_hashes_grow_into_the_same_chain(tokens, cuts):
+    """Hashes extended prefix by prefix, in any order of lengths, are the chain of the whole."""
+    alloc = BlockAllocator(8, BLOCK, salt="s")
+    known = []
+    for cut in [*cuts, len(tokens)]:
+        assert alloc.chain_hashes(tokens[:cut], known) == alloc.chain_hashes(tokens[:cut])
+    assert known == alloc.chain_hashes(tokens)
+
+
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
