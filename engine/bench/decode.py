@@ -134,21 +134,33 @@ class Bench:
         timer = Timer(str(device), max(5, self.timer.repeats // 20))
         return timer(run)
 
-    def prefill_time(self, tokens: int, chunk: int) -> float:
+    def prefill(self, tokens: int, chunk: int, flash: bool = True):
+        """A function that prefills `tokens` random tokens in chunks of `chunk` and returns the
+        last logits; `flash`: prompt chunks' attention as flash attention where it applies
+        (engine.kv.prefill_attention), else the masked SDPA."""
         device = self.model.device
         table = self.tables(1, tokens)[0]
-        ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=device)
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        ids = torch.randint(
+            0, self.model.config.vocab_size, (1, tokens), device=device, generator=gen
+        )
 
         def run():
             for start in range(0, tokens, chunk):
                 end = min(tokens, start + chunk)
                 pos = torch.arange(start, end, device=device)[None]
-                self.model.forward(
-                    ids[:, start:end], pos, PagedBatch(self.pool, [table], device), last_only=True
+                logits = self.model.forward(
+                    ids[:, start:end],
+                    pos,
+                    PagedBatch(self.pool, [table], device, flash_prefill=flash),
+                    last_only=True,
                 )
+            return logits
 
-        timer = Timer(str(device), 30)
-        return timer(run)
+        return run
+
+    def prefill_time(self, tokens: int, chunk: int, flash: bool = True) -> float:
+        return Timer(str(self.model.device), 30)(self.prefill(tokens, chunk, flash))
 
 
 def fill_pool(pool: KVPool, seed: int = 0) -> None:
@@ -515,13 +527,23 @@ def main(argv=None) -> int:
     # -- prefill -----------------------------------------------------------------------------------
     if args.prefill and "prefill" in stages:
         prefill = {}
-        for chunk in (args.prefill, 512):
-            seconds = bench.prefill_time(args.prefill, chunk)
-            prefill[f"chunk_{chunk}"] = dict(ms=seconds * 1e3, tok_s=args.prefill / seconds)
-            log(
-                f"\nprefill {args.prefill} tokens in chunks of {chunk}: {seconds * 1e3:.1f} ms, "
-                f"{args.prefill / seconds:,.0f} tok/s"
-            )
+        # The two attentions of a prompt chunk side by side, checked against each other first.
+        flash_logits, masked_logits = (
+            bench.prefill(args.prefill, 2048, flash)()[0, -1].float() for flash in (True, False)
+        )
+        rel = float((flash_logits - masked_logits).norm() / masked_logits.norm())
+        prefill["flash_vs_masked_rel"] = rel
+        log(f"\nprefill attention, flash against masked SDPA: last logits relative {rel:.2e}")
+        for chunk in dict.fromkeys(min(c, args.prefill) for c in (args.prefill, 2048, 512)):
+            for flash in (True, False):
+                seconds = bench.prefill_time(args.prefill, chunk, flash)
+                name = f"chunk_{chunk}" + ("" if flash else "_masked")
+                prefill[name] = dict(ms=seconds * 1e3, tok_s=args.prefill / seconds)
+                log(
+                    f"prefill {args.prefill} tokens in chunks of {chunk}, "
+                    f"{'flash' if flash else 'masked'} attention: {seconds * 1e3:.1f} ms, "
+                    f"{args.prefill / seconds:,.0f} tok/s"
+                )
         results["prefill"] = prefill
         save()
 

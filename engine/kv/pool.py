@@ -11,13 +11,21 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from engine.kv.cache import LeanRows, ModelCache
+from engine.kv.prefill_attention import (
+    chunk_attention,
+    flash_applies,
+    is_one_run,
+    masked_attention,
+)
 from kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Prompt chunks on CUDA take flash attention once a GPU run of engine.bench.decode's prefill
+# stage has timed it against the masked SDPA (both are there, checked against each other).
+FLASH_PREFILL = False
 
 
 class KVPool:
@@ -93,13 +101,22 @@ class PagedBatch(ModelCache):
     K/V at the tokens' positions, then runs causal attention over every key each row may see.
     """
 
-    def __init__(self, pool: KVPool, block_tables: list[list[int]], device):
+    def __init__(
+        self,
+        pool: KVPool,
+        block_tables: list[list[int]],
+        device,
+        flash_prefill: bool = FLASH_PREFILL,
+    ):
         self.pool = pool
         self.block_tables = block_tables
         self.device = device
         self.kv_len = 0
+        # CUDA prompt chunks' attention: flash attention where it applies, or always the masked
+        # SDPA (engine.kv.prefill_attention).
+        self.flash_prefill = flash_prefill
         # Built at the first layer and shared by the rest: every layer sees the same positions.
-        self._tables_i32 = self._lengths = self._row_runs = None
+        self._tables_i32 = self._lengths = self._row_runs = self._chunk_flash = None
 
     # Built on first use: a lean CPU forward (`lean_rows`) needs neither.
     @functools.cached_property
@@ -189,15 +206,16 @@ class PagedBatch(ModelCache):
             )
         keys, values = pool.read(layer, self.slot_map[:, : self.kv_len])
         if q.is_cuda:  # prefill: a fused attention kernel instead of materialised scores
-            allowed = ref.causal_mask(positions, self.kv_len, sliding_window)[
-                :, None
-            ]  # [B, 1, T, S]
-            group = q.shape[1] // keys.shape[1]
-            keys, values = (
-                keys.repeat_interleave(group, dim=1),
-                values.repeat_interleave(group, dim=1),
-            )
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+            if self._chunk_flash is None:
+                self._chunk_flash = (
+                    self.flash_prefill
+                    and sliding_window is None
+                    and is_one_run(positions, self.kv_len)
+                    and flash_applies(q, keys, values)
+                )
+            if self._chunk_flash:
+                return chunk_attention(q, keys, values)
+            return masked_attention(q, keys, values, positions, sliding_window)
         return ref.attention(q, keys, values, positions, sliding_window=sliding_window)
 
 
