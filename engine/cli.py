@@ -322,6 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
             if args.random_shape
             else None,
             quant=args.quant,
+            quant_lm_head=args.quant_lm_head,
             dtype=args.dtype,
             kv_bytes=None if args.kv_memory_mb is None else args.kv_memory_mb << 20,
             name="it",  # after "cannot load model NAME: "

@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--quant", choices=("fp8", "int4"))
+    ap.add_argument("--quant-lm-head", action="store_true", help="with --quant: the lm_head too")
     ap.add_argument("--gpu-memory-gb", type=float, required=True)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -44,7 +45,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     budget = gpu_budget("cuda", args.gpu_memory_gb, log)
-    model = random_model(SHAPES[args.shape], device="cuda", quant=args.quant)
+    model = random_model(
+        SHAPES[args.shape], device="cuda", quant=args.quant, quant_lm_head=args.quant_lm_head
+    )
     cfg = model.config
     used = gpu_bytes_in_use("cuda")
     per_token = kv_bytes_per_token(cfg)
@@ -55,6 +58,7 @@ def main(argv=None) -> int:
     )
     result = dict(
         quant=args.quant,
+        quant_lm_head=args.quant_lm_head,
         cap_gb=args.gpu_memory_gb,
         weight_gb=weight_bytes(model) / 1e9,
         in_use_after_load_gb=used / 1e9,

@@ -73,7 +73,8 @@ fi
 if has fit; then
     for spec in fp8:40 int4:24; do
         quant=${spec%:*} cap=${spec#*:}
-        "$PYTHON" -m engine.bench.fit --quant "$quant" --gpu-memory-gb "$cap" \
+        "$PYTHON" -m engine.bench.fit --quant "$quant" ${QUANT_LM_HEAD:+--quant-lm-head} \
+            --gpu-memory-gb "$cap" \
             --out "$OUT/fit_$quant.json" 2>&1 | tee "$OUT/fit_$quant.log"
     done
 fi

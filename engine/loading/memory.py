@@ -183,11 +183,13 @@ def config_weight_bytes(
     device_type: str = "cuda",
     fp8_block: int = FP8_BLOCK,
     int4_group: int = INT4_GROUP,
+    quant_lm_head: bool = False,
 ) -> WeightBytes:
-    """The weights of a model of this config, its projections (attention, MLPs, experts) in
-    `quant` ("fp8", "int4"; None: unquantized) and the rest in the run dtype: random weights of a
-    named shape (engine.model.random_model, which quantizes the joined q/k/v and gate/up as one),
-    or a quantized copy of a checkpoint. On the CPU quantized weights are dequantized."""
+    """The weights of a model of this config, its projections (attention, MLPs, experts; with
+    `quant_lm_head` its own lm_head too) in `quant` ("fp8", "int4"; None: unquantized) and the
+    rest in the run dtype: random weights of a named shape (engine.model.random_model, which
+    quantizes the joined q/k/v and gate/up as one), or a quantized copy of a checkpoint. On the
+    CPU quantized weights are dequantized."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     if quant not in (None, *QUANT_FORMATS):
         raise ValueError(f"unknown quantization {quant!r}; expected one of {QUANT_FORMATS}")
@@ -195,10 +197,11 @@ def config_weight_bytes(
     itemsize = _ITEMSIZE[name]
     kept = quant if device_type == "cuda" else None
     total = 0
+    quantized_roles = ("projection", "head") if quant_lm_head else ("projection",)
     for w in _weights(cfg):
-        if w.role == "projection" and kept == "fp8":
+        if w.role in quantized_roles and kept == "fp8":
             total += fp8_bytes(w.shape, (fp8_block, fp8_block))
-        elif w.role == "projection" and kept == "int4":
+        elif w.role in quantized_roles and kept == "int4":
             total += int4_bytes(w.shape, int4_group)
         else:
             total += math.prod(w.shape) * itemsize
@@ -478,14 +481,15 @@ def check_before_load(
     model_dir: str | Path | None = None,
     config: dict | None = None,
     quant: str | None = None,
+    quant_lm_head: bool = False,
     dtype="auto",
     kv_bytes: int | None = None,
     name: str | None = None,
 ) -> GpuBudget | None:
     """Before a model loads on CUDA: the process's budget (`gpu_budget`), and NotEnoughGpuMemory
-    unless the weights (of the folder `model_dir`, or of `config` with `quant` for random
-    weights), a KV pool of `kv_bytes` (default: MIN_KV_TOKENS tokens) and the reserve fit it.
-    None off CUDA."""
+    unless the weights (of the folder `model_dir`, or of `config` with `quant` and
+    `quant_lm_head` for random weights), a KV pool of `kv_bytes` (default: MIN_KV_TOKENS tokens)
+    and the reserve fit it. None off CUDA."""
     budget = gpu_budget(device, cap_gb, log)
     if budget is None:
         return None
@@ -495,7 +499,7 @@ def check_before_load(
         how_to = quantize_command(model_dir, _format_rank(weights.format) >= 0)
         name = name or Path(model_dir).name
     else:
-        weights = config_weight_bytes(config, quant, dtype, "cuda")
+        weights = config_weight_bytes(config, quant, dtype, "cuda", quant_lm_head=quant_lm_head)
         how_to = lambda fmt: f"add `--quant {fmt}`"  # noqa: E731 - random weights
         name = name or "the model"
     if kv_bytes is None:

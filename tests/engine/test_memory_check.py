@@ -115,11 +115,19 @@ def test_weights_the_loader_dequantizes_are_counted_in_the_run_dtype(
         assert weight_bytes(kept) < weight_bytes(plain) and estimate.format == "fp8"
 
 
-@pytest.mark.parametrize("quant", [None, "fp8", "int4"])
-def test_a_random_shapes_estimate_equals_the_built_model(quant):
+@pytest.mark.parametrize(
+    "quant,lm_head", [(None, False), ("fp8", False), ("int4", False), ("fp8", True), ("int4", True)]
+)
+def test_a_random_shapes_estimate_equals_the_built_model(quant, lm_head):
     config = dict(TINY, vocab_size=512, hidden_size=128, moe_intermediate_size=64, head_dim=32)
-    model = random_model(config, dtype=torch.bfloat16, quant=quant, quant_size=32)
-    estimate = memory.config_weight_bytes(config, quant, torch.bfloat16, "cuda", 32, 32)
+    if lm_head:
+        config["tie_word_embeddings"] = False
+    model = random_model(
+        config, dtype=torch.bfloat16, quant=quant, quant_size=32, quant_lm_head=lm_head
+    )
+    estimate = memory.config_weight_bytes(
+        config, quant, torch.bfloat16, "cuda", 32, 32, quant_lm_head=lm_head
+    )
     assert estimate.total == weight_bytes(model)
 
 
