@@ -277,6 +277,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, paths.UnsafeRuntimeDir, paths.UnsafeLogFile) as exc:
         print(f"wd-engine: cannot log: {exc}", file=sys.stderr)
         return 1
+    if args.quant_lm_head and not (args.random_shape and args.quant):
+        print(
+            "wd-engine: --quant-lm-head applies to --random-shape with --quant (a checkpoint's "
+            "lm_head loads as stored; `wd-engine quantize --lm-head` writes it quantized)",
+            file=sys.stderr,
+        )
+        return 2
     # Before the model loads: a model not downloaded, a path in the way or a bad token file is a
     # quick error, not one after a long load (the editor shows the `wd-engine:` line).
     try:

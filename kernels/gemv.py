@@ -366,6 +366,11 @@ def tuned_tiles(weights: str, n_out: int, k_in: int, rows: int) -> dict:
     return {**DEFAULT_TILES, **tiles}
 
 
+def is_tuned(weights: str, n_out: int, k_in: int) -> bool:
+    """Whether a tuned table exists for this GEMV (any row count)."""
+    return bool((tuned.load(table_name(weights, n_out, k_in)) or {}).get("configs"))
+
+
 def beats_library(n_out: int, k_in: int, rows: int) -> bool:
     """Whether the tuned GEMV over a bf16 [n_out, k_in] weight was faster than the library's
     GEMM (cuBLAS) at the nearest tuned row count; untuned sizes stay with the library."""

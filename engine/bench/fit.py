@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-gb", type=float, required=True)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.quant_lm_head and not args.quant:
+        ap.error("--quant-lm-head needs --quant")
     log = logging.getLogger("fit")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()

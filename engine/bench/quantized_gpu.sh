@@ -2,8 +2,8 @@
 # GPU: what the quantized weights are measured by, in one call (results and logs under $OUT):
 #   moe     the MoE layer in bf16, FP8 and int4 side by side (quantized warp decode tuned first,
 #           its tables written to kernels/configs/ and copied to $OUT/configs)
-#   projections  the q/k/v and o GEMVs in bf16, FP8 and int4 against cuBLAS, their tiles tuned
-#           (tables written to kernels/configs/ and copied to $OUT/configs)
+#   projections  the q/k/v, o and lm_head GEMVs in bf16, FP8 and int4 against cuBLAS, their
+#           tiles tuned (tables written to kernels/configs/ and copied to $OUT/configs)
 #   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
@@ -19,13 +19,15 @@
 #   bash engine/bench/quantized_gpu.sh                 # all stages
 #   STAGES=moe,decode bash engine/bench/quantized_gpu.sh
 #   STAGES=moe MOE_ARGS="--formats fp8,int4 --batches 1,2,4,8" bash engine/bench/quantized_gpu.sh
-#   QUANT_LM_HEAD=1 STAGES=variants bash engine/bench/quantized_gpu.sh  # FP8/int4 lm_heads too,
-#           each variant also timed with the bf16 lm_head
+#   QUANT_LM_HEAD=1 STAGES=variants bash engine/bench/quantized_gpu.sh  # FP8/int4 lm_heads too
+#           (decode, variants, fit; results named *_qhead), each variant also timed with the bf16
+#           lm_head
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
 STAGES=${STAGES:-moe,projections,decode,variants,profile,fit,latency}
-QUANT_LM_HEAD=${QUANT_LM_HEAD:-}
+HEAD_FLAG="" HEAD_NAME=""
+if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_qhead"; fi
 MOE_ARGS=${MOE_ARGS:-}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -47,11 +49,11 @@ fi
 decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K
     local name=$1 quant=$2 flag
     shift 2
-    flag=$([ "$quant" = bf16 ] || echo "--quant $quant ${QUANT_LM_HEAD:+--quant-lm-head}")
+    flag=$([ "$quant" = bf16 ] || echo "--quant $quant $HEAD_FLAG")
+    name=${name}_$quant$([ "$quant" = bf16 ] || echo "$HEAD_NAME")
     # shellcheck disable=SC2086
     "$PYTHON" -m engine.bench.decode --batches 1,8 --contexts 4096 --split-at 1,4096 \
-        --no-transformers $flag "$@" --out "$OUT/${name}_$quant.json" 2>&1 \
-        | tee "$OUT/${name}_$quant.log"
+        --no-transformers $flag "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
 }
 if has decode; then
     for quant in bf16 fp8 int4; do decode_bench decode "$quant" --prefill 4096; done
@@ -73,9 +75,9 @@ fi
 if has fit; then
     for spec in fp8:40 int4:24; do
         quant=${spec%:*} cap=${spec#*:}
-        "$PYTHON" -m engine.bench.fit --quant "$quant" ${QUANT_LM_HEAD:+--quant-lm-head} \
-            --gpu-memory-gb "$cap" \
-            --out "$OUT/fit_$quant.json" 2>&1 | tee "$OUT/fit_$quant.log"
+        # shellcheck disable=SC2086
+        "$PYTHON" -m engine.bench.fit --quant "$quant" $HEAD_FLAG --gpu-memory-gb "$cap" \
+            --out "$OUT/fit_$quant$HEAD_NAME.json" 2>&1 | tee "$OUT/fit_$quant$HEAD_NAME.log"
     done
 fi
 if has latency; then

@@ -106,17 +106,18 @@ class PagedBatch(ModelCache):
         pool: KVPool,
         block_tables: list[list[int]],
         device,
-        flash_prefill: bool = FLASH_PREFILL,
+        flash_prefill: bool | None = None,
     ):
         self.pool = pool
         self.block_tables = block_tables
         self.device = device
         self.kv_len = 0
         # CUDA prompt chunks' attention: flash attention where it applies, or always the masked
-        # SDPA (engine.kv.prefill_attention).
-        self.flash_prefill = flash_prefill
+        # SDPA (engine.kv.prefill_attention); None: FLASH_PREFILL.
+        self.flash_prefill = FLASH_PREFILL if flash_prefill is None else flash_prefill
         # Built at the first layer and shared by the rest: every layer sees the same positions.
-        self._tables_i32 = self._lengths = self._row_runs = self._chunk_flash = None
+        self._tables_i32 = self._lengths = self._row_runs = None
+        self.chunk_flash: bool | None = None  # whether prompt chunks took flash attention
 
     # Built on first use: a lean CPU forward (`lean_rows`) needs neither.
     @functools.cached_property
@@ -206,14 +207,14 @@ class PagedBatch(ModelCache):
             )
         keys, values = pool.read(layer, self.slot_map[:, : self.kv_len])
         if q.is_cuda:  # prefill: a fused attention kernel instead of materialised scores
-            if self._chunk_flash is None:
-                self._chunk_flash = (
+            if self.chunk_flash is None:
+                self.chunk_flash = (
                     self.flash_prefill
                     and sliding_window is None
                     and is_one_run(positions, self.kv_len)
                     and flash_applies(q, keys, values)
                 )
-            if self._chunk_flash:
+            if self.chunk_flash:
                 return chunk_attention(q, keys, values)
             return masked_attention(q, keys, values, positions, sliding_window)
         return ref.attention(q, keys, values, positions, sliding_window=sliding_window)

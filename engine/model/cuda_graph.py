@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from engine.kv.pool import KVPool
 from engine.model.layer import mlp
 from engine.model.qwen3_moe import Qwen3MoeModel
-from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels, StepOps
+from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels, StepOps, step_format
 from kernels import reference as ref
 from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
 from kernels.paged_attention import default_splits
-from kernels.quant import format_name
 from kernels.quant_linear import linear
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class DecodeStep:
             cfg.num_kv_heads,
             cfg.rms_norm_eps,
             device,
-            format_name(model.layers[0].w_qkv),
+            step_format(model.layers[0].w_qkv, model.layers[0].w_o),
         )
         self.logits: torch.Tensor | None = None  # [rows, V] fp32, written by each call
         self.greedy: torch.Tensor | None = None  # [rows] argmax of the logits

@@ -29,6 +29,7 @@ import torch
 
 from kernels.fused_ops import add_rms_norm
 from kernels.paged_attention import paged_decode_attention
+from kernels.quant import Weight, format_name
 from kernels.quant_linear import linear
 
 NORM_QKV = "norm_qkv"
@@ -41,16 +42,29 @@ FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, GEMV, PDL)
 # unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): the router's
 # in every format; the others were slower there.
 DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
-# The PDL chain as well, by the projections' weight format, for steps of up to this many rows:
-# where the whole step measured faster with it (BENCHMARKS.md, "Tuned GEMV tiles and quantized
-# lm_heads"): FP8 at 1 and 8 rows; bf16 at 1 (at 8 its projections' GEMV loses to cuBLAS);
-# int4 at neither.
+# The PDL chain as well, by the projections' format (`step_format`), for steps of up to this
+# many rows: where the whole step measured faster with it (BENCHMARKS.md, "Tuned GEMV tiles and
+# quantized lm_heads"): FP8 at 1 and 8 rows; bf16 with tuned GEMV tables at 1 (at 8 its
+# projections' GEMV loses to cuBLAS); int4 at neither.
 PDL_MAX_ROWS = {"fp8": 8, "bf16": 1}
+
+
+def step_format(w_qkv: Weight, w_o: Weight) -> str:
+    """The attention projections' format as default_fusions reads it: "fp8" or "int4" (the
+    Triton GEMV reads them in any case), "bf16" where that GEMV has tuned tables for both
+    sizes (the PDL chain moves them off cuBLAS, which wins at untuned sizes), else "plain"."""
+    fmt = format_name(w_qkv)
+    if fmt != "bf16":
+        return fmt
+    from kernels.gemv import is_tuned
+
+    tuned = all(w.dtype == torch.bfloat16 and is_tuned("bf16", *w.shape) for w in (w_qkv, w_o))
+    return "bf16" if tuned else "plain"
 
 
 def default_fusions(weight_format: str, rows: int) -> frozenset[str]:
     """The engine's fusions for a step of `rows` rows over projections in `weight_format`
-    ("bf16", "fp8", "int4": kernels.quant.format_name)."""
+    (`step_format`)."""
     if rows <= PDL_MAX_ROWS.get(weight_format, 0):
         return DEFAULT_FUSIONS | {PDL}
     return DEFAULT_FUSIONS
@@ -92,7 +106,7 @@ class StepOps:
         n_kv_heads: int,
         eps: float,
         device,
-        weight_format: str = "bf16",
+        weight_format: str = "plain",
     ):
         from kernels.gemv import MAX_ROWS
 

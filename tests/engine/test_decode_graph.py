@@ -20,6 +20,7 @@ from engine.model.step_kernels import (
     StepKernels,
     StepOps,
     default_fusions,
+    step_format,
 )
 
 BLOCK = 4
@@ -193,7 +194,7 @@ def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
 @pytest.mark.parametrize(
     "weight_format,rows,pdl",
     [("fp8", 1, True), ("fp8", 8, True), ("fp8", 16, False), ("bf16", 1, True)]
-    + [("bf16", 2, False), ("int4", 1, False), ("int4", 8, False)],
+    + [("bf16", 2, False), ("int4", 1, False), ("int4", 8, False), ("plain", 1, False)],
 )
 def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, rows, pdl):
     """The router's fusion always; the PDL chain where the step measured faster with it."""
@@ -206,6 +207,25 @@ def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, ro
         StepOps(StepKernels(fusions=frozenset()), rows, 2, 1e-6, "cpu", weight_format).fusions
         == set()
     )
+
+
+def test_bf16_projections_count_as_bf16_only_where_the_gemv_is_tuned(tmp_path, monkeypatch):
+    """The PDL chain moves bf16 projections from cuBLAS to the Triton GEMV, which only its tuned
+    sizes have measured faster; other plain weights (fp32, fp16, untuned sizes) are "plain"."""
+    from kernels import tuned
+
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
+    tuned.load.cache_clear()
+    try:
+        w_qkv, w_o = torch.randn(96, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+        assert step_format(w_qkv, w_o) == "plain"
+        for w in (w_qkv, w_o):
+            tuned.save(f"gemv_bf16_N{w.shape[0]}_K{w.shape[1]}.json", {"configs": {"1": {}}})
+        assert step_format(w_qkv, w_o) == "bf16"
+        assert step_format(w_qkv.half(), w_o.half()) == "plain"
+        assert step_format(w_qkv.float(), w_o.float()) == "plain"
+    finally:
+        tuned.load.cache_clear()
 
 
 def test_unknown_fusion_is_refused():

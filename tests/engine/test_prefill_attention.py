@@ -49,5 +49,12 @@ def test_one_run_is_a_single_sequence_ending_at_the_keys_end():
     assert not is_one_run(torch.arange(4, 9).repeat(2, 1), 9)  # two sequences
 
 
-def test_flash_is_for_cuda_tensors():
-    assert not flash_applies(*_qkv(1, 8, 2, 4, 8))
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention is CUDA's")
+@pytest.mark.parametrize("n_tokens,seq", [(5, 19), (64, 64), (48, 200)])
+def test_flash_on_a_gpu_agrees_with_the_masked_path(n_tokens, seq):
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(1, 32, 4, n_tokens, seq, dim=128, seed=seq))
+    assert flash_applies(q, k, v)
+    positions = torch.arange(seq - n_tokens, seq, device="cuda")[None]
+    want = masked_attention(q, k, v, positions, None).float()
+    got = chunk_attention(q, k, v).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2  # bf16 sums in another order

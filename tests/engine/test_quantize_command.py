@@ -501,3 +501,9 @@ def test_lm_head_refusals(src, checkpoint_factory, tmp_path, capsys):
     code, _, err = _run(capsys, "--to", "fp8", "--block", "16", "--lm-head", src, tmp_path / "b")
     assert code == 1 and "lm_head.weight [300, 64]" in err and "vocabulary" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_serve_takes_quant_lm_head_only_for_random_quantized_shapes(capsys):
+    assert main(["serve", "--quant-lm-head"]) == 2
+    assert main(["serve", "--random-shape", "tiny", "--quant-lm-head"]) == 2
+    assert "applies to --random-shape with --quant" in capsys.readouterr().err
