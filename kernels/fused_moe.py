@@ -237,23 +237,35 @@ PREFILL_CONFIG = {
 }
 
 
+# Tuned entries from this many tokens up are prompt chunks' (engine.bench.prefill_moe): longer
+# chunks inherit them, where a decode batch's entry says nothing about a chunk.
+PREFILL_TUNED_MIN = 512
+
+
+def _covers(table: dict, tokens: int) -> bool:
+    """Whether a table's nearest entry speaks for `tokens`: a prompt chunk's entry for chunks
+    from half its size up; a decode batch's for batches up to twice the largest one tuned (far
+    past it, prefill tiles win)."""
+    key = int(tuned.nearest_key(table, tokens))
+    if key >= PREFILL_TUNED_MIN:
+        return 2 * tokens >= key
+    return tokens <= 2 * max(int(k) for k in table if int(k) < PREFILL_TUNED_MIN)
+
+
 def default_config(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int, weights: str = "bf16"
 ) -> dict:
     """Tuned tiles for this shape and batch: the weight format's own table
-    (`fused_moe_fp8_*`, kernels.quant.format_name), else bf16's (the stages shrink BLOCK_K to
-    fit the scales), else the defaults."""
-
-    def table_of(family):
+    (`fused_moe_fp8_*`, kernels.quant.format_name) where it covers the batch, else bf16's (the
+    stages shrink BLOCK_K to fit the scales), else the defaults (prefill tiles for a batch that
+    routes several rows to each expert)."""
+    families = ([f"fused_moe_{weights}"] if weights != "bf16" else []) + ["fused_moe"]
+    for family in families:
         shape = tuned.shape_name(family, hidden, inter, experts, top_k)
-        return (tuned.load(shape) or {}).get("configs")
-
-    table = (weights != "bf16" and table_of(f"fused_moe_{weights}")) or table_of("fused_moe")
-    prefill = tokens * top_k >= 8 * experts
-    # The tuned table covers decode batch sizes; far past its largest entry, prefill tiles win.
-    if table and not (prefill and tokens > 2 * max(int(key) for key in table)):
-        return tuned.nearest(table, tokens)
-    return PREFILL_CONFIG if prefill else DEFAULT_CONFIG
+        table = (tuned.load(shape) or {}).get("configs")
+        if table and _covers(table, tokens):
+            return tuned.nearest(table, tokens)
+    return PREFILL_CONFIG if tokens * top_k >= 8 * experts else DEFAULT_CONFIG
 
 
 def _stages(cfg: dict) -> dict:

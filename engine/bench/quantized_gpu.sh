@@ -4,6 +4,8 @@
 #           its tables written to kernels/configs/ and copied to $OUT/configs)
 #   projections  the q/k/v, o and lm_head GEMVs in bf16, FP8 and int4 against cuBLAS, their
 #           tiles tuned (tables written to kernels/configs/ and copied to $OUT/configs)
+#   prefill the expert-centric MoE layer at prompt-chunk sizes (512 and 2,048 tokens) in bf16,
+#           FP8 and int4, its tiles tuned per format (tables written to kernels/configs/)
 #   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
@@ -25,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-moe,projections,decode,variants,profile,fit,latency}
+STAGES=${STAGES:-moe,projections,prefill,decode,variants,profile,fit,latency}
 HEAD_FLAG="" HEAD_NAME=""
 if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_qhead"; fi
 MOE_ARGS=${MOE_ARGS:-}
@@ -43,7 +45,11 @@ if has projections; then
     "$PYTHON" -m engine.bench.projections --tune --out "$OUT/projections.json" 2>&1 \
         | tee "$OUT/projections.log"
 fi
-if has moe || has projections; then
+if has prefill; then
+    "$PYTHON" -m engine.bench.prefill_moe --tune --out "$OUT/prefill_moe.json" 2>&1 \
+        | tee "$OUT/prefill_moe.log"
+fi
+if has moe || has projections || has prefill; then
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
 fi
 decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K

@@ -91,6 +91,25 @@ def test_fused_moe_tables_by_format(monkeypatch):
     assert ec.default_config(4, 64, 32, 8, 2) is bf16_cfg
 
 
+def test_prompt_chunks_take_their_own_entries_and_decode_batches_theirs(monkeypatch):
+    """A format's table of prompt-chunk entries (engine.bench.prefill_moe) speaks for chunks of
+    that size and longer, never for a decode batch; a table of decode batches, for batches
+    within a factor of two of an entry; past both, the defaults."""
+    chunk = {"BLOCK_M": 128, "gate_up": {}, "down": {}}
+    batch = {"BLOCK_M": 16, "gate_up": {}, "down": {}}
+    tables = {
+        tuned.shape_name("fused_moe_fp8", 64, 32, 8, 2): {"configs": {"512": chunk}},
+        tuned.shape_name("fused_moe", 64, 32, 8, 2): {"configs": {"1": batch, "64": batch}},
+    }
+    monkeypatch.setattr(tuned, "load", tables.get)
+    for tokens in (300, 512, 2048, 20000):
+        assert ec.default_config(tokens, 64, 32, 8, 2, "fp8") is chunk
+    for tokens in (1, 16, 100, 128):
+        assert ec.default_config(tokens, 64, 32, 8, 2, "fp8") is batch
+    assert ec.default_config(200, 64, 32, 8, 2, "fp8") is ec.PREFILL_CONFIG  # 200: 64 too far
+    assert ec.default_config(2048, 64, 32, 8, 2) is ec.PREFILL_CONFIG  # bf16 has no chunk entry
+
+
 # (format, block or group, N, K): odd N everywhere; FP8 K ragged at the last block (and blocks
 # of 8, narrower than a dot's K step); int4 K a multiple of the group.
 SKINNY_CASES = [
