@@ -70,6 +70,7 @@ def _gate_up_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -128,9 +129,11 @@ def _gate_up_kernel(
             if UPCAST:
                 a = a.to(tl.float32)
             acc_gate = quantized_dot(
-                a, g, gs_rows, k0, hidden, acc_gate, FORMAT, SCALE_COLS, BLOCK_K
+                a, g, gs_rows, k0, hidden, acc_gate, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS
             )
-            acc_up = quantized_dot(a, u, us_rows, k0, hidden, acc_up, FORMAT, SCALE_COLS, BLOCK_K)
+            acc_up = quantized_dot(
+                a, u, us_rows, k0, hidden, acc_up, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS
+            )
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K // PER_ITEM
             u_ptrs += BLOCK_K // PER_ITEM
@@ -166,6 +169,7 @@ def _down_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -211,7 +215,9 @@ def _down_kernel(
                 b = tl.load(b_ptrs, mask=mask_w, other=0)
             if UPCAST:
                 a = a.to(tl.float32)
-            acc = quantized_dot(a, b, s_rows, k0, inter, acc, FORMAT, SCALE_COLS, BLOCK_K)
+            acc = quantized_dot(
+                a, b, s_rows, k0, inter, acc, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS
+            )
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // PER_ITEM
 
@@ -338,6 +344,7 @@ def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -
         SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols,
         PER_ITEM=w.per_item,
+        SCALE_WEIGHTS=cfg.get("SCALE_WEIGHTS", False),
         **_stages(cfg),
     )
     return act
@@ -376,6 +383,7 @@ def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch
         SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols,
         PER_ITEM=w.per_item,
+        SCALE_WEIGHTS=cfg.get("SCALE_WEIGHTS", False),
         **_stages(cfg),
     )
     return per_slot

@@ -128,7 +128,7 @@ def _accumulate(
             w = w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc)
     else:
-        acc = quantized_dot(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K)
+        acc = quantized_dot(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, False)
     return acc
 
 

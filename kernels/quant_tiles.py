@@ -135,18 +135,25 @@ def quantized_dot(
     FORMAT: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
 ):
     """acc + a [M, BLOCK_K] @ W^T for a loaded quantized tile w [N, stored items] of the K step
     at k0; s_rows [N] points at each output row's scales. The dot's operands are in a's dtype.
 
     - int4: values times their (row, group) scale, then the dot (the step is within a group);
     - FP8, step within a block: the dot on the raw values (exact in bf16), then each output
-      column's block scale on the partial product;
+      column's block scale on the partial product, which needs a second accumulator; with
+      SCALE_WEIGHTS the values times their block's scale instead, then the dot into acc (a
+      GEMM tile of many rows: half the accumulator registers, one multiply a weight);
     - FP8, blocks narrower than a step: values times their own block's scale, then the dot.
     """
     if FORMAT == 2:
         scale = tl.load(s_rows + k0 // SCALE_COLS).to(tl.float32)
         acc = tl.dot(a, tl.trans((int4_values(w, BLOCK_K) * scale[:, None]).to(a.dtype)), acc)
+    elif SCALE_COLS % BLOCK_K == 0 and SCALE_WEIGHTS:
+        scale = tl.load(s_rows + k0 // SCALE_COLS)
+        values = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        acc = tl.dot(a, tl.trans(values.to(a.dtype)), acc)
     elif SCALE_COLS % BLOCK_K == 0:
         scale = tl.load(s_rows + k0 // SCALE_COLS)
         values = w.to(tl.float8e4nv, bitcast=True).to(a.dtype)

@@ -31,8 +31,10 @@ def test_the_sweep_finds_each_choice_in_turn():
     layer = quantized_moe_layer(40, 64, 32, 4, 2, "fp8", 16, seed=3)
     best, best_us, info = prefill_moe.sweep([layer], ec.PREFILL_CONFIG, measure, lambda _: None)
     assert best == FAVOURITE and best_us == 97.0
-    # The base, BLOCK_M's two, then each GEMM's tiles: each config timed once.
-    assert info["candidates"] == len(timed) <= 3 + 2 * len(prefill_moe.PREFILL_TILES)
+    # The base, BLOCK_M's two, FP8's scales on the weights, then each GEMM's tiles: each config
+    # timed once.
+    assert info["candidates"] == len(timed) <= 4 + 2 * len(prefill_moe.PREFILL_TILES)
+    assert any(c["gate_up"].get("SCALE_WEIGHTS") for c in timed)
     assert len({str(c) for c in timed}) == len(timed)
     assert info["base_us"] == _closeness(ec.PREFILL_CONFIG)
 

@@ -194,17 +194,24 @@ def persistent_warp_decode_compiles(fmt):
 
 
 def expert_centric_compiles(fmt):
+    """A decode batch's tiles, and a prompt chunk's (FP8 with its block scales on the weights
+    too, the option engine.bench.prefill_moe sweeps)."""
     w, s = STORED[fmt]
-    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, UPCAST=False, FORMAT=fmt)
-    consts.update(FORMAT_CONSTS[fmt])
     common = dict(w_ptr=w, s_ptr=s, sorted_ptr="i32", block_expert_ptr="i32", rows_used_ptr="i32")
-    for kernel, pointers in (
-        (fused_moe._gate_up_kernel, dict(x_ptr="bf16", out_ptr="bf16")),
-        (fused_moe._down_kernel, dict(act_ptr="bf16", out_ptr="bf16", weights_ptr="fp32")),
-    ):
-        assert "mma" in compile_for_hopper(
-            kernel, {**common, **pointers}, consts, num_warps=4, num_stages=3
-        )
+    tiles = [(16, 64, 128, 4, 3, False), (64, 128, 64, 8, 4, False)]
+    if fmt == FP8_BLOCKS:
+        tiles.append((64, 128, 64, 8, 4, True))
+    for block_m, block_n, block_k, warps, stages, scale_weights in tiles:
+        consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True)
+        consts.update(UPCAST=False, FORMAT=fmt, SCALE_WEIGHTS=scale_weights)
+        consts.update(FORMAT_CONSTS[fmt])
+        for kernel, pointers in (
+            (fused_moe._gate_up_kernel, dict(x_ptr="bf16", out_ptr="bf16")),
+            (fused_moe._down_kernel, dict(act_ptr="bf16", out_ptr="bf16", weights_ptr="fp32")),
+        ):
+            assert "mma" in compile_for_hopper(
+                kernel, {**common, **pointers}, consts, num_warps=warps, num_stages=stages
+            )
 
 
 def skinny_gemv_compiles(fmt):

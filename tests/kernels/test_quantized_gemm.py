@@ -68,6 +68,21 @@ def test_fused_moe_reads_quantized_weights(case):
     torch.testing.assert_close(y.double(), ref, atol=atol, rtol=5e-2)
 
 
+@pytest.mark.parametrize("case", [c for c in FUSED_CASES if c[5] == "fp8"], ids=str)
+def test_fp8_block_scales_on_the_weights_give_the_same_layer(case):
+    """SCALE_WEIGHTS (each weight times its block's scale before the dot, the prefill tiles'
+    option) against float64, and against the scales on the partial products."""
+    layer = quantized_moe_layer(*case, seed=sum(case[:5]) + case[6])
+    scaled = {g: dict(FUSED_SMALL[g], SCALE_WEIGHTS=True) for g in ("gate_up", "down")}
+    y = ec.fused_moe(*layer, config=dict(FUSED_SMALL, **scaled))
+    x, w_gate_up, w_down, ids, weights = layer
+    ref = reference.moe_float64(
+        x, dequantize(w_gate_up, torch.float64), dequantize(w_down, torch.float64), ids, weights
+    )
+    assert rel_err(y, ref) < 1.5e-2
+    assert rel_err(y, ec.fused_moe(*layer, config=FUSED_SMALL).double()) < 1.5e-2
+
+
 def test_fused_moe_default_tiles_fit_the_scales():
     """The default (large) BLOCK_K shrinks to an int4 group of 16; the K loops stay correct."""
     layer = quantized_moe_layer(6, 96, 48, 4, 2, "int4", 16, seed=7)
