@@ -258,6 +258,13 @@ def _covers(table: dict, tokens: int) -> bool:
     return tokens <= 2 * max(int(k) for k in table if int(k) < PREFILL_TUNED_MIN)
 
 
+def table_name(weights: str, hidden: int, inter: int, experts: int, top_k: int) -> str:
+    """The tuned table of this shape's expert-centric layer over weights of format `weights`
+    (kernels.quant.format_name): `fused_moe_*` for bf16, `fused_moe_fp8_*` and so on."""
+    family = "fused_moe" if weights == "bf16" else f"fused_moe_{weights}"
+    return tuned.shape_name(family, hidden, inter, experts, top_k)
+
+
 def default_config(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int, weights: str = "bf16"
 ) -> dict:
@@ -265,10 +272,8 @@ def default_config(
     (`fused_moe_fp8_*`, kernels.quant.format_name) where it covers the batch, else bf16's (the
     stages shrink BLOCK_K to fit the scales), else the defaults (prefill tiles for a batch that
     routes several rows to each expert)."""
-    families = ([f"fused_moe_{weights}"] if weights != "bf16" else []) + ["fused_moe"]
-    for family in families:
-        shape = tuned.shape_name(family, hidden, inter, experts, top_k)
-        table = (tuned.load(shape) or {}).get("configs")
+    for fmt in dict.fromkeys((weights, "bf16")):
+        table = (tuned.load(table_name(fmt, hidden, inter, experts, top_k)) or {}).get("configs")
         if table and _covers(table, tokens):
             return tuned.nearest(table, tokens)
     return PREFILL_CONFIG if tokens * top_k >= 8 * experts else DEFAULT_CONFIG

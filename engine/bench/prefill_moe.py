@@ -28,6 +28,7 @@ import torch
 from engine.bench.moe_formats import FORMATS, SHAPE, Layers, time_us
 from kernels import tuned
 from kernels.fused_moe import default_config, fused_moe
+from kernels.fused_moe import table_name as fused_moe_table
 from kernels.quant import format_name
 
 TOKENS = (512, 2048)  # the scheduler's chunks on the CPU and on CUDA
@@ -52,9 +53,8 @@ def tile(spec: tuple) -> dict:
 
 
 def table_name(fmt: str) -> str:
-    family = "fused_moe" if fmt == "bf16" else f"fused_moe_{fmt}"
-    h, i, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
-    return tuned.shape_name(family, h, i, e, k)
+    """The format's fused_moe table at the benchmark's shape."""
+    return fused_moe_table(fmt, SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"])
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

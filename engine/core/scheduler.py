@@ -272,7 +272,6 @@ class Scheduler:
         if cached % bs:
             state.table.prepare_write(cached, cached + 1)  # copy it now, while the block is counted
         state.tokens = list(prompt)
-        del state.block_hashes[len(prompt) // bs :]  # any generated before are not the tokens now
         state.computed = state.cached = cached
         state.room = total
         state.started = time.monotonic()
