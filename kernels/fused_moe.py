@@ -31,7 +31,7 @@ from kernels import tuned
 from kernels.moe_align import align_by_expert
 from kernels.moe_inputs import moe_inputs
 from kernels.quant import Weight, format_name, kernel_weight
-from kernels.quant_tiles import k_step, quantized_dot
+from kernels.quant_tiles import k_step, quantized_dot, scale_weights
 from kernels.triton_env import interpreting
 
 
@@ -349,7 +349,7 @@ def gate_up_stage(x, w_gate_up, grouping, top_k: int, block_m: int, cfg: dict) -
         SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols,
         PER_ITEM=w.per_item,
-        SCALE_WEIGHTS=cfg.get("SCALE_WEIGHTS", False),
+        SCALE_WEIGHTS=scale_weights(w, cfg.get("SCALE_WEIGHTS")),
         **_stages(cfg),
     )
     return act
@@ -388,7 +388,7 @@ def down_stage(act, w_down, route_w, grouping, block_m: int, cfg: dict) -> torch
         SCALE_ROWS=w.scale_rows,
         SCALE_COLS=w.scale_cols,
         PER_ITEM=w.per_item,
-        SCALE_WEIGHTS=cfg.get("SCALE_WEIGHTS", False),
+        SCALE_WEIGHTS=scale_weights(w, cfg.get("SCALE_WEIGHTS")),
         **_stages(cfg),
     )
     return per_slot

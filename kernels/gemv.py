@@ -33,7 +33,7 @@ from kernels import tuned
 from kernels.counters import sm_count, zeroed_counters
 from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.quant import Weight, format_name, is_quantized, kernel_weight
-from kernels.quant_tiles import k_step, quantized_dot
+from kernels.quant_tiles import k_step, quantized_dot, scale_weights
 from kernels.triton_env import interpreting, next_pow2
 
 MAX_ROWS = 32
@@ -120,6 +120,7 @@ def _accumulate(
     FORMAT: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """acc + a @ w^T for the loaded weight tile of the K step at k0 (plain or quantized)."""
@@ -128,7 +129,7 @@ def _accumulate(
             w = w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc)
     else:
-        acc = quantized_dot(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, False)
+        acc = quantized_dot(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS)
     return acc
 
 
@@ -164,6 +165,7 @@ def _skinny_kernel(
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -229,6 +231,7 @@ def _skinny_kernel(
         FORMAT,
         SCALE_COLS,
         BLOCK_K,
+        SCALE_WEIGHTS,
         INTERPRET,
     )
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -250,7 +253,9 @@ def _skinny_kernel(
             BLOCK_K,
             INTERPRET,
         )
-        acc = _accumulate(a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, INTERPRET)
+        acc = _accumulate(
+            a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS, INTERPRET
+        )
     mask_y = mask_m[:, None] & mask_n[None, :]
     offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
     if SPLIT_K > 1:
@@ -293,16 +298,18 @@ def skinny_linear(
     num_stages: int | None = None,
     pdl: bool = False,
     split_k: int | None = None,
+    scale_weights: bool | None = None,
 ) -> torch.Tensor:
     """F.linear(x, w, bias) for x [M, K] with M <= MAX_ROWS rows, in x's dtype (fp32
     accumulation).
 
     w [N, K] is a tensor or a quantized weight (kernels.quant.kernels_read); a quantized weight's
     K steps shrink to fit its scales (`k_step`). `pdl`: launched as a link of a PDL chain.
-    `split_k`: parts of K in programs of their own. A tile argument left None comes from the
-    tuned table of w's format and size (`tuned_tiles`), else the defaults (DEFAULT_TILES, split
-    by `default_split_k`)."""
-    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
+    `split_k`: parts of K in programs of their own. `scale_weights`: a quantized weight's
+    scales on its values rather than on the dot's partial products (kernels.quant_tiles). A
+    tile argument left None comes from the tuned table of w's format and size
+    (`tuned_tiles`), else the defaults (DEFAULT_TILES, split by `default_split_k`)."""
+    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k, scale_weights)
     _, y = _launch(x, None, None, 0.0, w, bias, tiles, pdl)
     return y
 
@@ -320,11 +327,12 @@ def norm_linear(
     num_stages: int | None = None,
     pdl: bool = False,
     split_k: int | None = None,
+    scale_weights: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, F.linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta (s = x when delta
     is None), in one launch: `kernels.fused_ops.add_rms_norm` followed by `skinny_linear`, with
     the same roundings. x, delta [M, K] with M <= MAX_ROWS; tiles as for `skinny_linear`."""
-    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k)
+    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k, scale_weights)
     return _launch(x, delta, norm_weight, eps, w, bias, tiles, pdl)
 
 
@@ -335,6 +343,9 @@ class _Tiles:
     num_warps: int | None = None
     num_stages: int | None = None
     split_k: int | None = None  # None: default_split_k
+    # Quantized weights: scales on the weights before the dot, or on its partial products
+    # (kernels.quant_tiles.quantized_dot); None: the format's way (scale_weights).
+    scale_weights: bool | None = None
 
     def over(self, base: dict) -> _Tiles:
         """These tiles, each one left None taken from `base` (tuned_tiles)."""
@@ -351,7 +362,8 @@ def table_name(weights: str, n_out: int, k_in: int) -> str:
     """The tuned table of a GEMV over an [n_out, k_in] weight of format `weights`
     (kernels.quant.format_name), written by `python -m engine.bench.projections --tune`:
     {"device": ..., "configs": {rows: {"block_n", "block_k", "num_warps", "num_stages",
-    "split_k"}}}; a bf16 table's entries also say whether they beat cuBLAS ("beats_library")."""
+    "split_k", optionally "scale_weights"}}}; a bf16 table's entries also say whether they
+    beat cuBLAS ("beats_library")."""
     return f"gemv_{weights}_N{n_out}_K{k_in}.json"
 
 
@@ -453,6 +465,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
         SCALE_ROWS=kw.scale_rows,
         SCALE_COLS=kw.scale_cols,
         PER_ITEM=kw.per_item,
+        SCALE_WEIGHTS=scale_weights(kw, tiles.scale_weights),
         SPLIT_K=split_k,
         PDL=chained,
         num_warps=tiles.num_warps,

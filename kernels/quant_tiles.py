@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.quant import FP8_BLOCKS, KernelWeight, scale_tile
+from kernels.quant import FP8_BLOCKS, INT4_GROUPS, KernelWeight, scale_tile
 
 # An int4 nibble u OR'ed into the bits of the fp32 2**23 is the fp32 2**23 + u exactly (u sits in
 # the mantissa's low bits), so one subtraction of 2**23 + 8 yields q = u - 8: no int->float
@@ -124,6 +124,12 @@ def k_step(block_k: int, w: KernelWeight) -> int:
     return block_k if w.format == FP8_BLOCKS and step < MIN_DOT_K else step
 
 
+def scale_weights(w: KernelWeight, asked: bool | None) -> bool:
+    """`quantized_dot`'s SCALE_WEIGHTS for a tile that asked for it (True, False) or left it to
+    the format (None): int4 scales its values, FP8 its partial products."""
+    return w.format == INT4_GROUPS if asked is None else asked
+
+
 @triton.jit
 def quantized_dot(
     a,
@@ -140,16 +146,22 @@ def quantized_dot(
     """acc + a [M, BLOCK_K] @ W^T for a loaded quantized tile w [N, stored items] of the K step
     at k0; s_rows [N] points at each output row's scales. The dot's operands are in a's dtype.
 
-    - int4: values times their (row, group) scale, then the dot (the step is within a group);
-    - FP8, step within a block: the dot on the raw values (exact in bf16), then each output
-      column's block scale on the partial product, which needs a second accumulator; with
-      SCALE_WEIGHTS the values times their block's scale instead, then the dot into acc (a
-      GEMM tile of many rows: half the accumulator registers, one multiply a weight);
+    - a step within one scale (an int4 group, or an FP8 block): the dot on the raw values
+      (exact in bf16), then each output column's scale on the partial product, which needs a
+      second accumulator; with SCALE_WEIGHTS the values times their scale instead, then the dot
+      into acc (a GEMM tile of many rows: half the accumulator registers, one multiply a
+      weight, and each weight rounded to a's dtype once scaled);
     - FP8, blocks narrower than a step: values times their own block's scale, then the dot.
     """
     if FORMAT == 2:
         scale = tl.load(s_rows + k0 // SCALE_COLS).to(tl.float32)
-        acc = tl.dot(a, tl.trans((int4_values(w, BLOCK_K) * scale[:, None]).to(a.dtype)), acc)
+        if SCALE_WEIGHTS:
+            values = (int4_values(w, BLOCK_K) * scale[:, None]).to(a.dtype)
+            acc = tl.dot(a, tl.trans(values), acc)
+        else:
+            values = int4_values(w, BLOCK_K).to(a.dtype)
+            part = tl.dot(a, tl.trans(values), tl.zeros(acc.shape, dtype=tl.float32))
+            acc += part * scale[None, :]
     elif SCALE_COLS % BLOCK_K == 0 and SCALE_WEIGHTS:
         scale = tl.load(s_rows + k0 // SCALE_COLS)
         values = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]

@@ -208,31 +208,71 @@ FUSION_STEPS = (
 STAGES = ("check", "decode", "split", "variants", "eager", "prefill", "compare")
 
 
-def parse_variants(spec: str) -> tuple[tuple[str, ...], ...]:
-    """--variants: fusion sets separated by "|", each its fusions joined by "+" ("unfused" for
-    none), as step_variants labels them: "unfused|router|router+pdl"."""
+# A --variants item's knobs after ":" (name=value, joined by ","), and the StepKernels field
+# each sets: "router+pdl:splits=16,route_e=4,unlink=moe/projections".
+KNOBS = {"splits": "n_splits", "route_e": "router_block_e", "unlink": "unlinked"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A decode step to time: its fusions, and StepKernels knobs beyond them."""
+
+    fusions: tuple[str, ...]
+    knobs: tuple[tuple[str, object], ...] = ()
+    spec: str = ""  # as --variants named it
+
+    @property
+    def label(self) -> str:
+        return self.spec or "+".join(self.fusions) or "unfused"
+
+    def kernels(self) -> StepKernels:
+        return StepKernels(fusions=frozenset(self.fusions), **dict(self.knobs))
+
+
+def parse_variants(spec: str) -> tuple[Variant, ...]:
+    """--variants: step variants separated by "|", each its fusions joined by "+" ("unfused"
+    for none), as step_variants labels them, then optionally ":" and knobs (KNOBS):
+    "unfused|router|router+pdl|router+pdl:splits=16,unlink=moe"."""
     steps = []
     for item in spec.split("|"):
-        names = () if item.strip() == "unfused" else tuple(n.strip() for n in item.split("+"))
+        item = item.strip()
+        fusion_part, _, knob_part = item.partition(":")
+        names = () if fusion_part == "unfused" else tuple(n.strip() for n in fusion_part.split("+"))
         unknown = set(names) - set(FUSIONS)
-        if unknown or not item.strip():
+        if unknown or not fusion_part:
             raise argparse.ArgumentTypeError(
                 f"bad variant {item!r}: fusions are {FUSIONS} (or 'unfused')"
             )
-        steps.append(names)
+        knobs = []
+        for knob in filter(None, knob_part.split(",")):
+            key, _, value = knob.partition("=")
+            if key not in KNOBS or not value:
+                raise argparse.ArgumentTypeError(
+                    f"bad variant {item!r}: knobs are {', '.join(f'{k}=...' for k in KNOBS)}"
+                )
+            if key == "unlink":
+                knobs.append((KNOBS[key], frozenset(value.split("/"))))
+            else:
+                knobs.append((KNOBS[key], int(value)))
+        variant = Variant(names, tuple(knobs), item)
+        try:
+            variant.kernels()
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bad variant {item!r}: {exc}") from None
+        steps.append(variant)
     return tuple(steps)
 
 
-def step_variants(cfg, batch: int, context: int, fusion_steps=None):
-    """(name, the step's kernels) to time against the default: `fusion_steps` (default
+def step_variants(cfg, batch: int, context: int, variants: tuple[Variant, ...] | None = None):
+    """(name, the step's kernels) to time against the default: `variants` (default
     FUSION_STEPS, then all fusions at other attention splits)."""
     from kernels.paged_attention import default_splits
 
     auto = default_splits(batch, cfg.num_kv_heads, context + 16)
-    for names in fusion_steps or FUSION_STEPS:
-        label = "+".join(names) if names else "unfused"
-        yield f"{label} ({auto} splits)", StepKernels(fusions=frozenset(names))
-    if fusion_steps:
+    for variant in variants or [Variant(names) for names in FUSION_STEPS]:
+        kernels = variant.kernels()
+        yield f"{variant.label} ({kernels.n_splits or auto} splits)", kernels
+    if variants:
         return
     for splits in (8, 16, 32):
         if splits != auto:
@@ -243,9 +283,9 @@ def step_variants(cfg, batch: int, context: int, fusion_steps=None):
 
 
 def fused_against_unfused(
-    config, quant, dtype, device, batch, context, log, layers=4, fusion_sets=()
+    config, quant, dtype, device, batch, context, log, layers=4, variants=()
 ) -> list:
-    """Each fusion alone, the engine's step, all fusions and each of `fusion_sets` (the step
+    """Each fusion alone, the engine's step, all fusions and each of `variants` (the step
     variants a run times) against the unfused step, on a model
     of the shape's widths with `layers` layers: past a few layers a random model's near-tied
     routers amplify rounding until two valid paths part ways, which would hide a wrong kernel.
@@ -269,15 +309,15 @@ def fused_against_unfused(
         return runs[1], runs[3]
 
     reference, _ = logits(UNFUSED)
-    variants = [(name, StepKernels(fusions=frozenset({name}))) for name in FUSIONS]
-    variants += [("engine's step", StepKernels()), ("all fusions", ALL_FUSED)]
-    variants += [
-        ("+".join(names), StepKernels(fusions=frozenset(names)))
-        for names in fusion_sets
-        if len(names) > 1 and set(names) != set(FUSIONS)
+    checks = [(name, StepKernels(fusions=frozenset({name}))) for name in FUSIONS]
+    checks += [("engine's step", StepKernels()), ("all fusions", ALL_FUSED)]
+    checks += [
+        (v.label, v.kernels())
+        for v in variants
+        if v.knobs or (len(v.fusions) > 1 and set(v.fusions) != set(FUSIONS))
     ]
     rows = []
-    for name, kernels in variants:
+    for name, kernels in checks:
         first, again = logits(kernels)
         rel = float((first - reference).norm() / reference.norm())
         rows.append(
@@ -340,8 +380,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         type=parse_variants,
-        help='step variants to time, e.g. "unfused|router|router+pdl" (default: fusions added '
-        "one at a time, then all of them at other attention splits)",
+        help='step variants to time, e.g. "unfused|router|router+pdl|router+pdl:splits=16,'
+        'route_e=4,unlink=moe" (default: fusions added one at a time, then all of them at other '
+        "attention splits)",
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -427,7 +468,7 @@ def main(argv=None) -> int:
                 batch,
                 split_context,
                 log,
-                fusion_sets=args.variants or (),
+                variants=args.variants or (),
             )
         ]
         save()

@@ -21,7 +21,7 @@ from engine.bench.decode import parse_variants
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.random_model import QWEN3_30B_A3B, random_model
 from engine.model.cuda_graph import DecodeStep
-from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels
+from engine.model.step_kernels import DEFAULT_KERNELS
 
 
 def main(argv=None):
@@ -37,15 +37,14 @@ def main(argv=None):
     ap.add_argument(
         "--fusions",
         type=parse_variants,
-        help='the step\'s fusions joined by "+" ("unfused" for none); default: the engine\'s',
+        help='the step\'s fusions joined by "+" ("unfused" for none), then any knobs as in '
+        "engine.bench.decode's --variants; default: the engine's",
     )
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
     if args.fusions is not None and len(args.fusions) != 1:
         ap.error("--fusions names one fusion set")
-    kernels = (
-        DEFAULT_KERNELS if args.fusions is None else StepKernels(fusions=frozenset(args.fusions[0]))
-    )
+    kernels = DEFAULT_KERNELS if args.fusions is None else args.fusions[0].kernels()
     model = random_model(
         dict(QWEN3_30B_A3B, num_hidden_layers=args.layers),
         dtype=torch.bfloat16,

@@ -27,7 +27,8 @@ from engine.loading import fp8, int4
 from engine.loading.random_model import SHAPES
 from kernels import tuned
 from kernels.gemv import skinny_linear, table_name
-from kernels.quant import dequantize, nbytes
+from kernels.quant import dequantize, kernel_weight, nbytes
+from kernels.quant_tiles import scale_weights
 
 # (block_n, block_k, num_warps, split_k); split_k None: the kernel's default_split_k.
 TILES = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8, 16)))
@@ -35,9 +36,18 @@ DEFAULT_TILE = (16, 256, 4, None)
 UNSPLIT_TILE = (16, 256, 4, 1)
 
 
+# The fastest tiles of a quantized format timed again with its scales placed the other way.
+SCALE_ROUND = 4
+
+
 def tile_config(tile: tuple) -> dict:
-    block_n, block_k, num_warps, split_k = tile
-    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=split_k)
+    """A tile tuple (block_n, block_k, num_warps, split_k[, scale_weights]) as skinny_linear's
+    arguments; scale_weights only where it was set."""
+    block_n, block_k, num_warps, split_k, *scales = tile
+    cfg = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=split_k)
+    if scales and scales[0] is not None:
+        cfg["scale_weights"] = scales[0]
+    return cfg
 
 
 def projection_sizes(shape: dict) -> dict[str, tuple[int, int]]:
@@ -77,7 +87,8 @@ def relative_error(y: torch.Tensor, x: torch.Tensor, w) -> float:
 
 def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
     """Microseconds per product: cuBLAS (bf16 weights only), the GEMV's default tile (with its
-    default split of K), the default tile unsplit, and the best of the sweep."""
+    default split of K), the default tile unsplit, and the best of the sweep (for a quantized
+    format, its fastest tiles also with the scales placed the other way)."""
     from kernels.bench.gpu_timing import graph_time_us
 
     def per_product(fn) -> float:
@@ -87,22 +98,26 @@ def time_case(x: torch.Tensor, ws: list, fmt: str, tiles: list) -> dict:
     if fmt == "bf16":
         out["cublas_us"] = per_product(lambda w: F.linear(x, w))
     times = {}
-    for bn, bk, nw, sk in tiles:
+
+    def time_tile(tile: tuple) -> None:
         try:
-            times[(bn, bk, nw, sk)] = per_product(
-                lambda w, bn=bn, bk=bk, nw=nw, sk=sk: skinny_linear(
-                    x, w, block_n=bn, block_k=bk, num_warps=nw, split_k=sk
-                )
-            )
+            times[tile] = per_product(lambda w: skinny_linear(x, w, **tile_config(tile)))
         except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
-            continue
+            pass
+
+    for tile in tiles:
+        time_tile(tile)
+    if fmt != "bf16":  # the other scale placement (kernels.quant_tiles.quantized_dot)
+        flipped = not scale_weights(kernel_weight(ws[0]), None)
+        for tile in sorted(times, key=times.get)[:SCALE_ROUND]:
+            time_tile((*tile[:4], flipped))
     best = min(times, key=times.get)
     out.update(
         default_us=times.get(DEFAULT_TILE),
         unsplit_us=times.get(UNSPLIT_TILE),
         best_us=times[best],
         best_tile=tile_config(best),
-        tiles_us={"x".join(str(v) for v in tile): us for tile, us in times.items()},
+        tiles_us={"x".join(map(str, tile)): us for tile, us in times.items()},
     )
     return out
 

@@ -142,7 +142,7 @@ class DecodeStep:
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
             )
-            delta = mlp(h, layer, cfg, model.options, routing, pdl=ops.pdl)
+            delta = mlp(h, layer, cfg, model.options, routing, pdl=ops.pdl_moe)
         _, h = add_rms_norm(x, delta, model.final_norm, cfg.rms_norm_eps)
         logits = linear(h, model.lm_head).float()
         if self.vocab_limit is not None:

@@ -38,6 +38,9 @@ ATTENTION_MERGE = "attention_merge"
 GEMV = "gemv"
 PDL = "pdl"
 FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, GEMV, PDL)
+# Stages of a PDL step that can be left out of the chain: warp decode's pair, the q/k/v and o
+# projections.
+UNLINKABLE = ("moe", "projections")
 # The engine's step takes a fusion once a GPU run of engine.bench.decode has shown it giving the
 # unfused step's logits and a faster step (BENCHMARKS.md, "The fused decode step"): the router's
 # in every format; the others were slower there.
@@ -82,11 +85,18 @@ class StepKernels:
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
     # None: the engine's choice for the step's weight format and rows (default_fusions)
     fusions: frozenset[str] | None = None
+    # Experts per program of the fused router (kernels.router.norm_route); None: its default.
+    router_block_e: int | None = None
+    # Stages launched outside the PDL chain (UNLINKABLE), the rest staying links: to time which
+    # kernels lose from starting early.
+    unlinked: frozenset[str] = frozenset()
 
     def __post_init__(self):
         unknown = set(self.fusions or ()) - set(FUSIONS)
         if unknown:
             raise ValueError(f"unknown fusions {sorted(unknown)}; known: {FUSIONS}")
+        if set(self.unlinked) - set(UNLINKABLE):
+            raise ValueError(f"unlinkable stages are {UNLINKABLE}, got {sorted(self.unlinked)}")
 
 
 DEFAULT_KERNELS = StepKernels()
@@ -117,6 +127,9 @@ class StepOps:
         self.eps = eps
         self.attention_fn = kernels.attention
         self.pdl = PDL in fusions and torch.device(device).type == "cuda"
+        self.pdl_moe = self.pdl and "moe" not in kernels.unlinked
+        self.pdl_projections = self.pdl and "projections" not in kernels.unlinked
+        self.router_block_e = kernels.router_block_e
         gemv_rows = rows <= MAX_ROWS
         self.norm_qkv = NORM_QKV in fusions and gemv_rows and kernels.linear is None
         self.router = ROUTER in fusions
@@ -137,14 +150,14 @@ class StepOps:
     def _gemv(self, x, w, bias=None):
         from kernels.gemv import skinny_linear
 
-        return skinny_linear(x, w, bias, pdl=self.pdl)
+        return skinny_linear(x, w, bias, pdl=self.pdl_projections)
 
     def norm_linear(self, x, delta, norm_weight, w, bias):
         """(s, linear(rms_norm(s) * norm_weight, w, bias)) with s = x + delta."""
         if self.norm_qkv:
             from kernels.gemv import norm_linear
 
-            return norm_linear(x, delta, norm_weight, self.eps, w, bias, pdl=self.pdl)
+            return norm_linear(x, delta, norm_weight, self.eps, w, bias, pdl=self.pdl_projections)
         x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)
         return x, self.linear(h, w, bias)
 
@@ -165,6 +178,7 @@ class StepOps:
                 norm_topk_prob,
                 counters=self.router_counters,
                 pdl=self.pdl,
+                block_e=self.router_block_e,
             )
             return s, h, (ids, weights)
         x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.bench.decode import fused_against_unfused
+from engine.bench.decode import fused_against_unfused, parse_variants
 from engine.loading.random_model import SHAPES
 from engine.model.step_kernels import FUSIONS
 
@@ -30,27 +30,52 @@ def test_the_timed_variants_are_checked_too():
         batch=1,
         context=20,
         log=lambda _: None,
-        fusion_sets=(("router",), ("router", "pdl"), ("router", "pdl", "attention_merge")),
+        variants=parse_variants(
+            "router|router+pdl|router+pdl+attention_merge|router:splits=3,route_e=2,unlink=moe"
+        ),
     )
-    assert [r["variant"] for r in rows][-2:] == ["router+pdl", "router+pdl+attention_merge"]
+    assert [r["variant"] for r in rows][-3:] == [
+        "router+pdl",
+        "router+pdl+attention_merge",
+        "router:splits=3,route_e=2,unlink=moe",
+    ]
     assert all(r["rel"] < 1e-5 and r["replays_identical"] for r in rows), rows
 
 
 def test_chosen_step_variants_are_timed_as_named():
     from engine.bench.decode import parse_variants, step_variants
 
-    steps = parse_variants("unfused|router|router+pdl")
-    assert steps == ((), ("router",), ("router", "pdl"))
+    steps = parse_variants("unfused|router|router+pdl|router+pdl:splits=16,route_e=4,unlink=moe")
+    assert [s.fusions for s in steps] == [(), ("router",), ("router", "pdl"), ("router", "pdl")]
     cfg = SimpleNamespace(num_kv_heads=4)
-    variants = dict(step_variants(cfg, batch=1, context=64, fusion_steps=steps))
-    assert [name.split(" ")[0] for name in variants] == ["unfused", "router", "router+pdl"]
-    assert [k.fusions for k in variants.values()] == [set(), {"router"}, {"router", "pdl"}]
+    variants = dict(step_variants(cfg, batch=1, context=64, variants=steps))
+    assert [name.split(" ")[0] for name in variants] == [
+        "unfused",
+        "router",
+        "router+pdl",
+        "router+pdl:splits=16,route_e=4,unlink=moe",
+    ]
+    kernels = list(variants.values())
+    pdl = {"router", "pdl"}
+    assert [k.fusions for k in kernels] == [set(), {"router"}, pdl, pdl]
+    assert (kernels[3].n_splits, kernels[3].router_block_e, kernels[3].unlinked) == (
+        16,
+        4,
+        {"moe"},
+    )
+    assert list(variants)[3].endswith("(16 splits)") and kernels[0].n_splits is None
 
 
 def test_a_variant_naming_an_unknown_fusion_is_refused():
     from engine.bench.decode import parse_variants
 
-    for spec in ("router+fast", "router||pdl"):
+    for spec in (
+        "router+fast",
+        "router||pdl",
+        "router:fast=1",
+        "pdl:unlink=attention",
+        "pdl:splits=",
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match="bad variant"):
             parse_variants(spec)
 

@@ -70,6 +70,27 @@ def test_norm_linear_reads_quantized_weights(fmt, size, split_k, monkeypatch):
     assert ((y.double() - expected).norm() / expected.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("fmt,size", [("fp8", 32), ("int4", 32), ("int4", 16)])
+@pytest.mark.parametrize("scale_weights", [False, True])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_scales_on_the_weights_or_on_the_partial_products(
+    fmt, size, scale_weights, split_k, monkeypatch
+):
+    """Either placement of a quantized weight's scales against float64 on the dequantized
+    weight (ragged rows and a last K step cut short), and the two placements against each
+    other."""
+    poison_torch_empty(monkeypatch)
+    g = torch.Generator().manual_seed(size + split_k)
+    x = torch.randn(3, 160, generator=g).bfloat16()
+    w = quantize(torch.randn(37, 160, generator=g) / 160**0.5, fmt, size)
+    tiles = dict(block_n=16, block_k=32, split_k=split_k)
+    y = skinny_linear(x, w, scale_weights=scale_weights, **tiles)
+    expected = x.double() @ dequantize(w, torch.float64).T
+    assert ((y.double() - expected).norm() / expected.norm()).item() < 5e-3
+    other = skinny_linear(x, w, scale_weights=not scale_weights, **tiles)
+    assert ((y.double() - other.double()).norm() / expected.norm()).item() < 5e-3
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_split_k_gives_the_same_bits_every_launch_and_resets_its_counters(fmt, monkeypatch):
     """The last part to arrive adds the partials in a fixed order, so the result does not depend

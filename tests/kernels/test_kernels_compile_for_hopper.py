@@ -221,9 +221,13 @@ def skinny_gemv_compiles(fmt):
     pointers = dict(x_ptr="bf16", delta_ptr="bf16", nw_ptr="bf16", sum_ptr="bf16")
     pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16", part_ptr="fp32")
     pointers.update(counters_ptr="i32")
-    for norm, pdl, split_k in ((False, False, 1), (True, True, 4)):
+    cases = [(False, False, 1, False), (True, True, 4, False)]
+    if fmt:  # a quantized weight's scales on its values, too
+        cases.append((False, False, 1, True))
+    for norm, pdl, split_k, scale_weights in cases:
         consts = dict(HAS_BIAS=False, NORM=norm, HAS_DELTA=norm, BLOCK_N=16, BLOCK_K=128)
         consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl, SPLIT_K=split_k)
+        consts.update(SCALE_WEIGHTS=scale_weights)
         consts.update(FORMAT_CONSTS[fmt])
         ptx = compile_for_hopper(
             gemv._skinny_kernel,

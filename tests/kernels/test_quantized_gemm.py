@@ -68,12 +68,14 @@ def test_fused_moe_reads_quantized_weights(case):
     torch.testing.assert_close(y.double(), ref, atol=atol, rtol=5e-2)
 
 
-@pytest.mark.parametrize("case", [c for c in FUSED_CASES if c[5] == "fp8"], ids=str)
-def test_fp8_block_scales_on_the_weights_give_the_same_layer(case):
-    """SCALE_WEIGHTS (each weight times its block's scale before the dot, the prefill tiles'
-    option) against float64, and against the scales on the partial products."""
+@pytest.mark.parametrize("case", [c for c in FUSED_CASES if c[5] != "bf16"], ids=str)
+def test_either_scale_placement_gives_the_same_layer(case):
+    """SCALE_WEIGHTS flipped from the format's way (FP8: each weight times its block's scale
+    before the dot, the prefill tiles' option; int4: each group's scale on the partial
+    products) against float64, and against the format's way."""
     layer = quantized_moe_layer(*case, seed=sum(case[:5]) + case[6])
-    scaled = {g: dict(FUSED_SMALL[g], SCALE_WEIGHTS=True) for g in ("gate_up", "down")}
+    flipped = case[5] == "fp8"
+    scaled = {g: dict(FUSED_SMALL[g], SCALE_WEIGHTS=flipped) for g in ("gate_up", "down")}
     y = ec.fused_moe(*layer, config=dict(FUSED_SMALL, **scaled))
     x, w_gate_up, w_down, ids, weights = layer
     ref = reference.moe_float64(
