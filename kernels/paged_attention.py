@@ -101,6 +101,72 @@ def _merge_if_last(
 
 
 @triton.jit
+def _kv_tile(
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    b,
+    kvh,
+    start,
+    last,
+    d,
+    d_ok,
+    stride_ks,
+    stride_kh,
+    stride_sks,
+    stride_tb,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Token positions t [TILE] from `start`, and their keys and values [TILE, D_PAD] of kv
+    head kvh (zero past `last`), each token's slot through its block's table entry; with FP8
+    storage their per-slot scales [TILE] (else ones)."""
+    t = start + tl.arange(0, TILE)
+    valid = t < last
+    phys = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slots = phys * BLOCK_SIZE + t % BLOCK_SIZE
+    kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+    kv_mask = valid[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    if FP8:
+        k_scale = tl.load(ks_ptr + slots * stride_sks + kvh, mask=valid, other=0.0)
+        v_scale = tl.load(vs_ptr + slots * stride_sks + kvh, mask=valid, other=0.0)
+    else:
+        k_scale = tl.full([TILE], 1.0, tl.float32)
+        v_scale = tl.full([TILE], 1.0, tl.float32)
+    return t, k, v, k_scale, v_scale
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, k_scale, v_scale, valid, m, l, acc, scale, FP8: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """The online softmax's step over one tile of keys: (m, l, acc) updated."""
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * scale  # [G, TILE], fp32 accumulation
+    if FP8:
+        s = s * k_scale[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    if FP8:  # fold V's per-slot scale into the probabilities
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -151,15 +217,25 @@ def _split_kernel(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
-    # Everything loaded below (q, K/V, table, lengths) may come from an earlier kernel.
-    wait(PDL)
 
+    # The lengths and block tables are the step's inputs, and every key but the new token's
+    # was stored by an earlier step: all of that, the first tile of keys included, is read
+    # before the wait, so those loads overlap the previous kernel's tail. q and the new
+    # token's key and value (this step's) are read after it.
     length = tl.load(lens_ptr + b)
     # The grid is fixed (so a CUDA graph can replay it); each sequence's keys are shared out
     # over its splits by its actual length, in whole tiles.
     per_split = tl.cdiv(tl.cdiv(length, n_splits), TILE) * TILE
     first = split * per_split
     last = tl.minimum(first + per_split, length)
+    t, k, v, k_scale, v_scale = _kv_tile(
+        k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, b, kvh, first, last, d, d_ok,
+        stride_ks, stride_kh, stride_sks, stride_tb, BLOCK_SIZE, TILE, FP8,
+    )  # fmt: skip
+    new = length - 1
+    new_slot = tl.load(table_ptr + b * stride_tb + new // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE
+    new_slot += new % BLOCK_SIZE
+    wait(PDL)
 
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -168,40 +244,30 @@ def _split_kernel(
     )
     if INTERPRET:  # the interpreter can't do bf16 arithmetic
         q = q.to(tl.float32)
+    if (first <= new) & (new < first + TILE):  # the first tile holds the new token: fresh row
+        fresh = t == new
+        row = new_slot * stride_ks + kvh * stride_kh + d
+        k = tl.where(fresh[:, None], tl.load(k_ptr + row, mask=d_ok, other=0.0)[None, :], k)
+        v = tl.where(fresh[:, None], tl.load(v_ptr + row, mask=d_ok, other=0.0)[None, :], v)
+        if FP8:
+            k_scale = tl.where(fresh, tl.load(ks_ptr + new_slot * stride_sks + kvh), k_scale)
+            v_scale = tl.where(fresh, tl.load(vs_ptr + new_slot * stride_sks + kvh), v_scale)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for start in range(first, last, TILE):
-        # TILE tokens at once; each token's slot comes through its block's table entry.
-        t = start + tl.arange(0, TILE)
-        valid = t < last
-        phys = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(
-            tl.int64
+    if first < last:  # a split past the sequence's end keeps (-inf, 0, 0): it weighs nothing
+        m, l, acc = _attend_tile(
+            q, k, v, k_scale, v_scale, t < last, m, l, acc, scale, FP8, INTERPRET
         )
-        slots = phys * BLOCK_SIZE + t % BLOCK_SIZE
-        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [G, TILE], fp32 accumulation
-        if FP8:
-            s = s * tl.load(ks_ptr + slots * stride_sks + kvh, mask=valid, other=0.0)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        if FP8:  # fold V's per-slot scale into the probabilities
-            p = p * tl.load(vs_ptr + slots * stride_sks + kvh, mask=valid, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    for start in range(first + TILE, last, TILE):
+        t, k, v, k_scale, v_scale = _kv_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, b, kvh, start, last, d, d_ok,
+            stride_ks, stride_kh, stride_sks, stride_tb, BLOCK_SIZE, TILE, FP8,
+        )  # fmt: skip
+        m, l, acc = _attend_tile(
+            q, k, v, k_scale, v_scale, t < last, m, l, acc, scale, FP8, INTERPRET
+        )
 
     rows_ok = g_ok[:, None] & d_ok[None, :]
     if DIRECT:  # the only split holds the whole softmax (length >= 1, so l > 0 on real rows)

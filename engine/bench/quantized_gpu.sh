@@ -11,6 +11,9 @@
 #           bf16 step on the dequantized weights
 #   variants  the decode step's fusion sets side by side in bf16, FP8 and int4 (VARIANTS; each
 #           checked against the unfused step's logits first)
+#   knobs   the engine's step with one knob moved at a time (B=1, 4K): int4 with warp decode or
+#           the projections outside the PDL chain; FP8 with other attention splits, router
+#           programs and the two slower fusions (KNOBS_INT4, KNOBS_FP8)
 #   profile the engine's decode step kernel by kernel in bf16, FP8 and int4 (8 layers, B=1, 4K;
 #           without its graph, so each kernel's device time shows)
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
@@ -21,16 +24,20 @@
 #   bash engine/bench/quantized_gpu.sh                 # all stages
 #   STAGES=moe,decode bash engine/bench/quantized_gpu.sh
 #   STAGES=moe MOE_ARGS="--formats fp8,int4 --batches 1,2,4,8" bash engine/bench/quantized_gpu.sh
+#   STAGES=projections PROJECTIONS_ARGS="--formats int4 --projections qkv,o" bash ...
+#   STAGES=prefill PREFILL_ARGS="--tokens 2048" bash engine/bench/quantized_gpu.sh
 #   QUANT_LM_HEAD=1 STAGES=variants bash engine/bench/quantized_gpu.sh  # FP8/int4 lm_heads too
 #           (decode, variants, fit; results named *_qhead), each variant also timed with the bf16
 #           lm_head
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-moe,projections,prefill,decode,variants,profile,fit,latency}
+STAGES=${STAGES:-moe,projections,prefill,decode,variants,knobs,profile,fit,latency}
 HEAD_FLAG="" HEAD_NAME=""
 if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_qhead"; fi
 MOE_ARGS=${MOE_ARGS:-}
+PREFILL_ARGS=${PREFILL_ARGS:-}  # e.g. "--tokens 2048": the CUDA scheduler's chunk only
+PROJECTIONS_ARGS=${PROJECTIONS_ARGS:-}  # e.g. "--formats int4 --projections qkv,o"
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -42,11 +49,13 @@ if has moe; then
         | tee "$OUT/moe_formats.log"
 fi
 if has projections; then
-    "$PYTHON" -m engine.bench.projections --tune --out "$OUT/projections.json" 2>&1 \
-        | tee "$OUT/projections.log"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m engine.bench.projections --tune $PROJECTIONS_ARGS \
+        --out "$OUT/projections.json" 2>&1 | tee "$OUT/projections.log"
 fi
 if has prefill; then
-    "$PYTHON" -m engine.bench.prefill_moe --tune --out "$OUT/prefill_moe.json" 2>&1 \
+    # shellcheck disable=SC2086
+    "$PYTHON" -m engine.bench.prefill_moe --tune $PREFILL_ARGS --out "$OUT/prefill_moe.json" 2>&1 \
         | tee "$OUT/prefill_moe.log"
 fi
 if has moe || has projections || has prefill; then
@@ -68,6 +77,19 @@ if has variants; then
     variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
     for quant in ${VARIANT_FORMATS:-fp8 int4 bf16}; do
         decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
+    done
+fi
+if has knobs; then
+    knobs_int4="router|router+pdl|router+pdl:unlink=moe|router+pdl:unlink=projections"
+    knobs_int4+="|router+pdl:unlink=moe/projections"
+    knobs_fp8="router+pdl|router+pdl:splits=16|router+pdl:splits=32|router+pdl:route_e=2"
+    knobs_fp8+="|router+pdl:route_e=4|router+pdl:route_e=16|router+pdl+attention_merge"
+    knobs_fp8+="|router+pdl+norm_qkv"
+    for spec in "int4:${KNOBS_INT4:-$knobs_int4}" "fp8:${KNOBS_FP8:-$knobs_fp8}"; do
+        quant=${spec%%:*}
+        "$PYTHON" -m engine.bench.decode --batches 1 --contexts 4096 --split-at 1,4096 \
+            --no-transformers --quant "$quant" --prefill 0 --stages check,variants \
+            --variants "${spec#*:}" --out "$OUT/knobs_$quant.json" 2>&1 | tee "$OUT/knobs_$quant.log"
     done
 fi
 if has profile; then

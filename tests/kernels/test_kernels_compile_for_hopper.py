@@ -286,8 +286,8 @@ def add_rms_norm_compiles():
 
 def paged_attention_fused_merge_compiles():
     """The split kernel, one launch (the last split program of a (sequence, kv head) merges) or
-    followed by the merge kernel, with bf16 and fp8 storage, in a PDL chain: nothing read or
-    stored before the wait."""
+    followed by the merge kernel, with bf16 and fp8 storage, in a PDL chain: the merge reads
+    nothing before its wait, and neither kernel stores anything before it."""
     from kernels import paged_attention
 
     for kv, fp8, fused in (("bf16", False, True), ("fp8e4nv", True, True), ("bf16", False, False)):
@@ -325,7 +325,13 @@ def paged_attention_fused_merge_compiles():
             launch_pdl=True,
         )
         assert "griddepcontrol" in ptx and ("atom" in ptx) == fused and "mma" in ptx
-        _assert_waits_first(ptx)
+        # The lengths, tables and first tile of keys are read before the wait; nothing is
+        # stored, and no arrival counted, until it.
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("griddepcontrol.launch_dependents") < wait
+        assert ptx.index("ld.global") < wait
+        for access in ("st.global", "atom."):
+            assert access not in ptx or wait < ptx.index(access), access
     merge = compile_for_hopper(
         paged_attention._merge_kernel,
         dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", out_ptr="bf16"),
