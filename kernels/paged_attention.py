@@ -121,9 +121,9 @@ def _kv_tile(
     TILE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """Token positions t [TILE] from `start`, and their keys and values [TILE, D_PAD] of kv
-    head kvh (zero past `last`), each token's slot through its block's table entry; with FP8
-    storage their per-slot scales [TILE] (else ones)."""
+    """Token positions t [TILE] from `start`, their slots (through their blocks' table
+    entries), and their keys and values [TILE, D_PAD] of kv head kvh (zero past `last`); with
+    FP8 storage their per-slot scales [TILE] (else ones)."""
     t = start + tl.arange(0, TILE)
     valid = t < last
     phys = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -138,7 +138,7 @@ def _kv_tile(
     else:
         k_scale = tl.full([TILE], 1.0, tl.float32)
         v_scale = tl.full([TILE], 1.0, tl.float32)
-    return t, k, v, k_scale, v_scale
+    return t, slots, k, v, k_scale, v_scale
 
 
 @triton.jit
@@ -218,23 +218,23 @@ def _split_kernel(
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
 
-    # The lengths and block tables are the step's inputs, and every key but the new token's
-    # was stored by an earlier step: all of that, the first tile of keys included, is read
-    # before the wait, so those loads overlap the previous kernel's tail. q and the new
-    # token's key and value (this step's) are read after it.
+    # The lengths and block tables are the step's inputs, and the keys are stored by earlier
+    # steps except those of this step's rows: all of that, the first tile of keys included, is
+    # read before the wait, so those loads overlap the previous kernel's tail. q, and the keys
+    # and values this step's rows may have stored, are read after it. A row stores one token;
+    # rows of one sequence (a prompt's tail) store consecutive tokens up to the last row's, so a
+    # sequence's tokens stored in this step are among its last `batch` (the grid's rows).
     length = tl.load(lens_ptr + b)
     # The grid is fixed (so a CUDA graph can replay it); each sequence's keys are shared out
     # over its splits by its actual length, in whole tiles.
     per_split = tl.cdiv(tl.cdiv(length, n_splits), TILE) * TILE
     first = split * per_split
     last = tl.minimum(first + per_split, length)
-    t, k, v, k_scale, v_scale = _kv_tile(
+    t, slots, k, v, k_scale, v_scale = _kv_tile(
         k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, b, kvh, first, last, d, d_ok,
         stride_ks, stride_kh, stride_sks, stride_tb, BLOCK_SIZE, TILE, FP8,
     )  # fmt: skip
-    new = length - 1
-    new_slot = tl.load(table_ptr + b * stride_tb + new // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE
-    new_slot += new % BLOCK_SIZE
+    this_step = length - tl.num_programs(0)  # tokens from here on may be this step's
     wait(PDL)
 
     q = tl.load(
@@ -244,14 +244,16 @@ def _split_kernel(
     )
     if INTERPRET:  # the interpreter can't do bf16 arithmetic
         q = q.to(tl.float32)
-    if (first <= new) & (new < first + TILE):  # the first tile holds the new token: fresh row
-        fresh = t == new
-        row = new_slot * stride_ks + kvh * stride_kh + d
-        k = tl.where(fresh[:, None], tl.load(k_ptr + row, mask=d_ok, other=0.0)[None, :], k)
-        v = tl.where(fresh[:, None], tl.load(v_ptr + row, mask=d_ok, other=0.0)[None, :], v)
+    if (first < last) & (this_step < first + TILE):  # the first tile may hold this step's
+        fresh = (t >= this_step) & (t < last)
+        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        rows = fresh[:, None] & d_ok[None, :]
+        k = tl.where(rows, tl.load(k_ptr + kv_off, mask=rows, other=0.0), k)
+        v = tl.where(rows, tl.load(v_ptr + kv_off, mask=rows, other=0.0), v)
         if FP8:
-            k_scale = tl.where(fresh, tl.load(ks_ptr + new_slot * stride_sks + kvh), k_scale)
-            v_scale = tl.where(fresh, tl.load(vs_ptr + new_slot * stride_sks + kvh), v_scale)
+            scale_off = slots * stride_sks + kvh
+            k_scale = tl.where(fresh, tl.load(ks_ptr + scale_off, mask=fresh, other=0.0), k_scale)
+            v_scale = tl.where(fresh, tl.load(vs_ptr + scale_off, mask=fresh, other=0.0), v_scale)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -261,7 +263,7 @@ def _split_kernel(
             q, k, v, k_scale, v_scale, t < last, m, l, acc, scale, FP8, INTERPRET
         )
     for start in range(first + TILE, last, TILE):
-        t, k, v, k_scale, v_scale = _kv_tile(
+        t, _, k, v, k_scale, v_scale = _kv_tile(
             k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, b, kvh, start, last, d, d_ok,
             stride_ks, stride_kh, stride_sks, stride_tb, BLOCK_SIZE, TILE, FP8,
         )  # fmt: skip

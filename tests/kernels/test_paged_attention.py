@@ -66,6 +66,27 @@ def test_wide_table_reads_only_each_length():
     assert (out - _reference(q, keys, values, tables, lens, 4)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_rows_of_one_sequence_at_consecutive_positions(fp8, n_splits, monkeypatch):
+    """A prompt's tail after a cache hit runs as one step with a row per new token: every row
+    reads the one table, each up to its own position, so each sees the rows before it (the
+    tokens the kernel reads after its wait, as this step's)."""
+    monkeypatch.setattr("kernels.paged_attention.TILE", 4)
+    q, keys, values, tables, _ = _case([14, 14, 14, 14], seed=9)
+    tables[:] = tables[0]
+    lens = torch.tensor([11, 12, 13, 14], dtype=torch.int32)
+    scales = (None, None)
+    if fp8:
+        scales = (keys.abs().amax(-1) / 448.0, values.abs().amax(-1) / 448.0)
+        keys = (keys / scales[0][..., None]).to(torch.float8_e4m3fn)
+        values = (values / scales[1][..., None]).to(torch.float8_e4m3fn)
+        q = q.to(torch.bfloat16)
+    out = paged_decode_attention(q, keys, values, tables, lens, 4, *scales, n_splits=n_splits)
+    expected = _reference(q, keys.float(), values.float(), tables, lens, 4, *scales)
+    assert (out.float() - expected).abs().max().item() < (2e-2 if fp8 else 1e-5)
+
+
 def test_fp8_storage_with_scales():
     q, keys, values, tables, lens = _case([13, 6], seed=5)
     k_scale = keys.abs().amax(-1) / 448.0
