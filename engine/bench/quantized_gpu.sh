@@ -82,8 +82,9 @@ fi
 if has knobs; then
     knobs_int4="router|router+pdl|router+pdl:unlink=moe|router+pdl:unlink=projections"
     knobs_int4+="|router+pdl:unlink=moe/projections"
-    knobs_fp8="router+pdl|router+pdl:splits=16|router+pdl:splits=32|router+pdl:route_e=2"
-    knobs_fp8+="|router+pdl:route_e=4|router+pdl:route_e=16|router+pdl+attention_merge"
+    knobs_fp8="router+pdl|router+pdl:splits=16|router+pdl:splits=32|router+pdl:route_e=1"
+    knobs_fp8+="|router+pdl:route_e=2|router+pdl:route_e=4|router+pdl:route_e=16"
+    knobs_fp8+="|router+pdl+attention_merge|router+pdl+attention_merge:splits=16"
     knobs_fp8+="|router+pdl+norm_qkv"
     for spec in "int4:${KNOBS_INT4:-$knobs_int4}" "fp8:${KNOBS_FP8:-$knobs_fp8}"; do
         quant=${spec%%:*}

@@ -96,3 +96,18 @@ def test_a_quantized_lm_head_is_counted_and_timed_against_bf16(quant):
     twin = with_plain_lm_head(model)
     assert not is_quantized(twin.lm_head) and twin.layers is model.layers
     assert torch.equal(twin.lm_head, dequantize(model.lm_head, torch.float32))
+
+
+def test_the_gpu_scripts_knob_variants_parse():
+    """engine/bench/quantized_gpu.sh's knobs stage names variants that --variants takes (a typo
+    there would cost a GPU call)."""
+    import re
+    from pathlib import Path
+
+    from engine.bench.decode import parse_variants
+
+    script = (Path(__file__).parents[2] / "engine" / "bench" / "quantized_gpu.sh").read_text()
+    for quant in ("int4", "fp8"):
+        spec = "".join(re.findall(rf'knobs_{quant}\+?="([^"]*)"', script))
+        variants = parse_variants(spec)
+        assert len(variants) >= 5 and any(v.knobs for v in variants), spec
