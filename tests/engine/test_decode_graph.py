@@ -269,3 +269,44 @@ def test_engine_with_step_generates_what_the_plain_engine_does(tiny):
     assert done.usage["cached_tokens"] > 0 and done.usage["completion_tokens"] == 6
     assert text == plain_text
     assert _max_rel(done.logits, plain.logits) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the PDL chain is CUDA's")
+@pytest.mark.parametrize("fp8_pool", [False, True])
+def test_a_prompts_tail_in_the_pdl_chain_reads_the_keys_its_step_stores(fp8_pool):
+    """Paged attention reads its first tile of keys before its PDL wait, then reloads the ones
+    this step's rows store: a prompt's tail (a row per new token of one sequence) whose slots
+    hold noise before each replay gives the unchained step's logits every time, where an early
+    read of the noise would not."""
+    from engine.loading.random_model import QWEN3_30B_A3B, random_model
+
+    shape = dict(QWEN3_30B_A3B, num_hidden_layers=2, vocab_size=4096)
+    model = random_model(shape, torch.bfloat16, "cuda")
+    cfg = model.config
+    block = 16
+    pool = KVPool(
+        cfg.num_layers, 8, block, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda", fp8_pool
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for store in (*pool.keys, *pool.values):
+        store.copy_(torch.randn(store.shape, generator=gen, device="cuda").to(store.dtype))
+    table = list(range(8))  # slot = position
+    start, n = 100, 6  # lengths 101-106 over two splits of 64: the tail in a split's first tile
+    tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen, device="cuda").tolist()
+
+    def replays(fusions, times=16):
+        graphs = DecodeGraphs(
+            model, pool, 8 * block, buckets=(8,), kernels=StepKernels(fusions=frozenset(fusions))
+        )
+        out = []
+        for _ in range(times):
+            for store in (*pool.keys, *pool.values):
+                noise = torch.randn(store[start : start + n].shape, generator=gen, device="cuda")
+                store[start : start + n] = (noise * 4).to(store.dtype)
+            logits, _ = graphs.run(tokens, list(range(start, start + n)), [table] * n)
+            out.append(logits.float().clone())
+        return out
+
+    want = replays((), times=1)[0]
+    for got in replays(("router", "pdl")):
+        assert float((got - want).norm() / want.norm()) < 2e-2
