@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # GPU: what the quantized weights are measured by, in one call (results and logs under $OUT):
+#   gputests  the tests that need a GPU (skipped in CI): the PDL chain's attention reads,
+#           flash prefill against the masked path (Triton compiled, not interpreted)
 #   moe     the MoE layer in bf16, FP8 and int4 side by side (quantized warp decode tuned first,
 #           its tables written to kernels/configs/ and copied to $OUT/configs)
 #   projections  the q/k/v, o and lm_head GEMVs in bf16, FP8 and int4 against cuBLAS, their
@@ -32,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-moe,projections,prefill,decode,variants,knobs,profile,fit,latency}
+STAGES=${STAGES:-gputests,moe,projections,prefill,decode,variants,knobs,profile,fit,latency}
 HEAD_FLAG="" HEAD_NAME=""
 if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_qhead"; fi
 MOE_ARGS=${MOE_ARGS:-}
@@ -43,6 +45,11 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
+if has gputests; then
+    TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider -k "gpu or pdl_chain" \
+        tests/engine/test_decode_graph.py tests/engine/test_prefill_attention.py 2>&1 \
+        | tee "$OUT/gputests.log"
+fi
 if has moe; then
     # shellcheck disable=SC2086
     "$PYTHON" -m engine.bench.moe_formats --tune $MOE_ARGS --out "$OUT/moe_formats.json" 2>&1 \
