@@ -29,8 +29,8 @@
 #   STAGES=projections PROJECTIONS_ARGS="--formats int4 --projections qkv,o" bash ...
 #   STAGES=prefill PREFILL_ARGS="--tokens 2048" bash engine/bench/quantized_gpu.sh
 #   QUANT_LM_HEAD=1 STAGES=variants bash engine/bench/quantized_gpu.sh  # FP8/int4 lm_heads too
-#           (decode, variants, fit; results named *_qhead), each variant also timed with the bf16
-#           lm_head
+#           (decode, variants, knobs, fit; results named *_qhead), each variant also timed with
+#           the bf16 lm_head
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
@@ -69,6 +69,7 @@ if has moe || has projections || has prefill; then
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"
 fi
 decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape, B=1 and 8 at 4K
+    # (ARGS come last, so a --batches among them wins)
     local name=$1 quant=$2 flag
     shift 2
     flag=$([ "$quant" = bf16 ] || echo "--quant $quant $HEAD_FLAG")
@@ -94,10 +95,8 @@ if has knobs; then
     knobs_fp8+="|router+pdl+attention_merge|router+pdl+attention_merge:splits=16"
     knobs_fp8+="|router+pdl+norm_qkv"
     for spec in "int4:${KNOBS_INT4:-$knobs_int4}" "fp8:${KNOBS_FP8:-$knobs_fp8}"; do
-        quant=${spec%%:*}
-        "$PYTHON" -m engine.bench.decode --batches 1 --contexts 4096 --split-at 1,4096 \
-            --no-transformers --quant "$quant" --prefill 0 --stages check,variants \
-            --variants "${spec#*:}" --out "$OUT/knobs_$quant.json" 2>&1 | tee "$OUT/knobs_$quant.log"
+        decode_bench knobs "${spec%%:*}" --batches 1 --prefill 0 --stages check,variants \
+            --variants "${spec#*:}"
     done
 fi
 if has profile; then
