@@ -102,6 +102,11 @@ def main(argv=None) -> int:
         help="random weights of a named real shape (the default model's tokenizer feeds it)",
     )
     ap.add_argument(
+        "--quant",
+        choices=("fp8", "int4"),
+        help="with --shape or --random: projections quantized by the project's quantizer",
+    )
+    ap.add_argument(
         "--decode-tokens", type=int, default=32, help="also time this many decode steps (warm)"
     )
     ap.add_argument(
@@ -117,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
+    if args.quant and not (args.shape or args.random):
+        ap.error("--quant needs --shape or --random (a model folder keeps its own format)")
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -124,7 +131,7 @@ def main(argv=None) -> int:
         from engine.loading.random_model import QWEN3_30B_A3B, random_model
 
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-        model = random_model(QWEN3_30B_A3B, dtype=dtype, device=args.device)
+        model = random_model(QWEN3_30B_A3B, dtype=dtype, device=args.device, quant=args.quant)
         args.random = True
     elif args.random:
         from engine.loading.random_model import random_model
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
         cfg = json.loads((model_dir / "config.json").read_text())
         cfg["max_position_embeddings"] = max(16384, max(args.contexts or DEFAULT_CONTEXTS) + 64)
         dtype = torch.float32 if args.dtype == "auto" and args.device == "cpu" else torch.bfloat16
-        model = random_model(cfg, dtype=dtype, device=args.device)
+        model = random_model(cfg, dtype=dtype, device=args.device, quant=args.quant)
     else:
         model = load_model(model_dir, dtype=args.dtype, device=args.device)
     limit = model.config.max_position_embeddings
@@ -140,7 +147,8 @@ def main(argv=None) -> int:
     text = source_text(max(contexts) * 8)
     name = args.shape or model_dir.name
     print(
-        f"model: {name}{' (random weights)' if args.random else ''}, device {args.device}, "
+        f"model: {name}{' (random weights)' if args.random else ''}"
+        f"{f', {args.quant} projections' if args.quant else ''}, device {args.device}, "
         f"{torch.get_num_threads()} threads, block {args.block_size}"
     )
     print(
@@ -188,7 +196,14 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                dict(model=name, random=args.random, device=args.device, results=results), indent=2
+                dict(
+                    model=name,
+                    random=args.random,
+                    quant=args.quant,
+                    device=args.device,
+                    results=results,
+                ),
+                indent=2,
             )
         )
     return 0

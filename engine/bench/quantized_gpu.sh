@@ -18,6 +18,7 @@
 #           programs and the two slower fusions (KNOBS_INT4, KNOBS_FP8)
 #   profile the engine's decode step kernel by kernel in bf16, FP8 and int4 (8 layers, B=1, 4K;
 #           without its graph, so each kernel's device time shows)
+#   first_token  the warm first token after one keystroke at 1K and 4K in bf16, FP8 and int4
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
 #   latency the latency suite on FP8 under a 40 GB cap (keystroke -> first token with cache and
 #           warm-up); a machine without the language server's packages needs the wheels of
@@ -34,7 +35,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-quantized-gpu-out}
-STAGES=${STAGES:-gputests,moe,projections,prefill,decode,variants,knobs,profile,fit,latency}
+STAGES=${STAGES:-gputests,moe,projections,prefill,decode,variants,knobs,profile,first_token,fit,latency}
 HEAD_FLAG="" HEAD_NAME=""
 if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_qhead"; fi
 MOE_ARGS=${MOE_ARGS:-}
@@ -105,6 +106,15 @@ if has profile; then
         # shellcheck disable=SC2086
         "$PYTHON" -m engine.bench.profile_decode --layers 8 --context 4096 --top 30 $flag 2>&1 \
             | tee "$OUT/profile_$quant.log"
+    done
+fi
+if has first_token; then
+    for quant in bf16 fp8 int4; do
+        flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
+        # shellcheck disable=SC2086
+        "$PYTHON" -m engine.bench.first_token --shape qwen3-30b-a3b --device cuda $flag \
+            --contexts 1024 4096 --repeat 5 --json "$OUT/first_token_$quant.json" 2>&1 \
+            | tee "$OUT/first_token_$quant.log"
     done
 fi
 if has fit; then
