@@ -372,7 +372,9 @@ def main(argv=None) -> int:
     e, k = SHAPE["experts"], SHAPE["top_k"]
     for fmt in args.formats.split(","):
         layers = Layers(args.layers, fmt)
-        inputs = {b: layers.inputs(b, seed=100 + b) for b in batches}
+        # The tune covers TUNE_BATCHES whatever --batches times.
+        wanted = set(batches) | (set(TUNE_BATCHES) if args.tune else set())
+        inputs = {b: layers.inputs(b, seed=100 + b) for b in sorted(wanted)}
         if args.tune:
             save_tuned(fmt, tune_warp(layers, inputs, args.replays, log), device)
         rows = []
