@@ -290,6 +290,19 @@ def best_by(timed: list, key) -> dict:
     return {k: round(v, 1) for k, v in best.items()}
 
 
+def crossover_entry(entry: dict | None, device: str, e: int, k: int, fmt: str, rows) -> dict:
+    """The dispatcher's entry for one format after timing `rows`: the faster path per batch.
+    Batches this run did not time keep the same device's earlier measurements."""
+    same_device = entry is not None and entry.get("device") == device
+    winners = dict(entry.get("winners", {})) if same_device else {}
+    us = dict(entry.get("us_per_layer", {})) if same_device else {}
+    for r in rows:
+        warp, ec = r["warp_decode_us"], r["expert_centric_us"]
+        winners[str(r["batch"])] = "warp_decode" if warp <= ec else "expert_centric"
+        us[str(r["batch"])] = {"warp_decode": warp, "expert_centric": ec}
+    return dict(device=device, experts=e, top_k=k, weights=fmt, winners=winners, us_per_layer=us)
+
+
 def tune_warp(layers: Layers, inputs: dict, replays: int, log) -> dict:
     """Per batch: the stored config and each kernel's tiles (warp_candidates), then the fastest
     tiles paired, then the fastest few with their loops pipelined to each depth, then the
@@ -392,26 +405,8 @@ def main(argv=None) -> int:
             rows.append(row)
         if args.tune and fmt != "bf16":
             table = dict(tuned.load("crossover.json") or {})
-            winners = {
-                str(r["batch"]): "warp_decode"
-                if r["warp_decode_us"] <= r["expert_centric_us"]
-                else "expert_centric"
-                for r in rows
-            }
-            table[f"E{e}_k{k}_{fmt}"] = {
-                "device": device,
-                "experts": e,
-                "top_k": k,
-                "weights": fmt,
-                "winners": winners,
-                "us_per_layer": {
-                    str(r["batch"]): {
-                        "warp_decode": r["warp_decode_us"],
-                        "expert_centric": r["expert_centric_us"],
-                    }
-                    for r in rows
-                },
-            }
+            name = f"E{e}_k{k}_{fmt}"
+            table[name] = crossover_entry(table.get(name), device, e, k, fmt, rows)
             tuned.save("crossover.json", table)
         for row in rows:
             row["dispatch_path"] = dispatch.choose_path(row["batch"], k, e, fmt)

@@ -6,6 +6,7 @@ from engine.bench.moe_formats import (
     PAIRED_TILES,
     SHAPE,
     config_key,
+    crossover_entry,
     down_tiles,
     gate_up_tiles,
     paired,
@@ -110,3 +111,29 @@ def test_int4_gate_up_tiles_run_as_named():
             tile["BLOCK_I"],
             tile["BLOCK_H"],
         ), tile
+
+
+def _row(batch, warp, ec):
+    return {"batch": batch, "warp_decode_us": warp, "expert_centric_us": ec}
+
+
+def test_a_tune_at_some_batches_keeps_the_same_devices_other_crossover_batches():
+    """A run timing batches 1 and 8 must not drop the dispatcher's measured winners at 16-64."""
+    earlier = crossover_entry(
+        None,
+        "H100",
+        128,
+        8,
+        "fp8",
+        [_row(1, 21.8, 32.8), _row(8, 108.9, 108.7), _row(16, 198.2, 168.8)],
+    )
+    assert earlier["winners"] == {"1": "warp_decode", "8": "expert_centric", "16": "expert_centric"}
+    now = crossover_entry(
+        earlier, "H100", 128, 8, "fp8", [_row(1, 17.5, 32.5), _row(8, 87.5, 105.3)]
+    )
+    assert now["winners"] == {"1": "warp_decode", "8": "warp_decode", "16": "expert_centric"}
+    assert now["us_per_layer"]["16"] == earlier["us_per_layer"]["16"]
+    assert now["us_per_layer"]["8"] == {"warp_decode": 87.5, "expert_centric": 105.3}
+    # Another device's measurements are not mixed in.
+    other = crossover_entry(earlier, "H200", 128, 8, "fp8", [_row(1, 17.0, 30.0)])
+    assert set(other["winners"]) == {"1"} and other["device"] == "H200"
