@@ -605,7 +605,7 @@ def main(argv=None) -> int:
             + ("" if with_flash.flash_applied else " (flash does not apply here: not timed)")
             + ("" if attention_rel < PREFILL_AGREEMENT else " DISAGREE: flash not timed")
         )
-        for chunk in dict.fromkeys(min(c, args.prefill) for c in (args.prefill, 2048, 512)):
+        for chunk in dict.fromkeys(min(c, args.prefill) for c in (args.prefill, 2048)):
             for flash in (False, True) if flash_ok else (False,):
                 seconds = bench.prefill_time(args.prefill, chunk, flash)
                 name = f"chunk_{chunk}_{'flash' if flash else 'masked'}"

@@ -25,7 +25,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Prompt chunks on CUDA take flash attention once a GPU run of engine.bench.decode's prefill
 # stage has timed it against the masked SDPA (both are there, checked against each other).
-FLASH_PREFILL = False
+FLASH_PREFILL = True
 
 
 class KVPool:

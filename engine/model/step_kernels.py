@@ -48,8 +48,9 @@ DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
 # The PDL chain as well, by the projections' format (`step_format`), for steps of up to this
 # many rows: where the whole step measured faster with it (BENCHMARKS.md, "Tuned GEMV tiles and
 # quantized lm_heads"): FP8 at 1 and 8 rows; bf16 with tuned GEMV tables at 1 (at 8 its
-# projections' GEMV loses to cuBLAS); int4 at neither.
-PDL_MAX_ROWS = {"fp8": 8, "bf16": 1}
+# projections' GEMV loses to cuBLAS); int4 at 1 since warp decode's int4 tiles were tuned
+# ("The tuned quantized tables in the step").
+PDL_MAX_ROWS = {"fp8": 8, "bf16": 1, "int4": 1}
 
 
 def step_format(w_qkv: Weight, w_o: Weight) -> str:

@@ -194,7 +194,7 @@ def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
 @pytest.mark.parametrize(
     "weight_format,rows,pdl",
     [("fp8", 1, True), ("fp8", 8, True), ("fp8", 16, False), ("bf16", 1, True)]
-    + [("bf16", 2, False), ("int4", 1, False), ("int4", 8, False), ("plain", 1, False)],
+    + [("bf16", 2, False), ("int4", 1, True), ("int4", 8, False), ("plain", 1, False)],
 )
 def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, rows, pdl):
     """The router's fusion always; the PDL chain where the step measured faster with it."""
