@@ -23,8 +23,9 @@ from kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# Prompt chunks on CUDA take flash attention once a GPU run of engine.bench.decode's prefill
-# stage has timed it against the masked SDPA (both are there, checked against each other).
+# Prompt chunks on CUDA take flash attention: faster than the masked SDPA in engine.bench.decode's
+# prefill stage (BENCHMARKS.md, "The tuned quantized tables in the step"), which checks the two
+# against each other first.
 FLASH_PREFILL = True
 
 
