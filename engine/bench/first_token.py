@@ -67,6 +67,26 @@ def settle(model) -> None:
         torch.cuda.synchronize(model.device)
 
 
+def profile_requests(model, tokenizer, options, before, after, top: int) -> None:
+    """Where a cold and a warm first token spend their time: torch's profiler over one request
+    each, the costliest operations by device time, then by host time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if model.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, warm_with in (("cold", None), ("warm", before)):
+        engine = Engine(model, tokenizer, options)
+        if warm_with is not None:
+            engine.complete(Request(warm_with, warm_only=True))
+        settle(model)
+        with torch.profiler.profile(activities=activities) as prof:
+            ms = first_token_ms(engine, after)
+            settle(model)
+        events = prof.key_averages()
+        print(f"\n{name} first token, {len(after)} prompt tokens: {ms:.1f} ms under the profiler")
+        for key in ("self_device_time_total", "self_cpu_time_total")[2 - len(activities) :]:
+            print(events.table(sort_by=key, row_limit=top, max_name_column_width=60))
+
+
 def decode_rate(engine: Engine, prompt_ids: list[int], n: int) -> float:
     """Batch-1 decode tokens/s after the (cached) prompt: (n - 1) steps over their time."""
     usage = engine.complete(Request(prompt_ids, max_tokens=n, stop_at_eos=False)).check().usage
@@ -121,6 +141,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one cold and one warm request at the last context and print "
+        "their N costliest operations by device and by host time",
+    )
     args = ap.parse_args(argv)
     if args.quant and not (args.shape or args.random):
         ap.error("--quant needs --shape or --random (a model folder keeps its own format)")
@@ -193,6 +221,8 @@ def main(argv=None) -> int:
             f"{row['speedup']:>8.1f}x "
             f"{row['new_tokens']:>8} {row['decode_tok_s'] or 0:>13.1f}"
         )
+    if args.profile and results:
+        profile_requests(model, tokenizer, options, before, after, args.profile)
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -18,7 +18,8 @@
 #           programs and the two slower fusions (KNOBS_INT4, KNOBS_FP8)
 #   profile the engine's decode step kernel by kernel in bf16, FP8 and int4 (8 layers, B=1, 4K;
 #           without its graph, so each kernel's device time shows)
-#   first_token  the warm first token after one keystroke at 1K and 4K in bf16, FP8 and int4
+#   first_token  the cold and warm first token after one keystroke at 1K and 4K in bf16, FP8
+#           and int4, each with a profile of one cold and one warm request at 4K
 #   fit     the FP8 model served under a 40 GB cap and the int4 model under 24 GB
 #   latency the latency suite on FP8 under a 40 GB cap (keystroke -> first token with cache and
 #           warm-up); a machine without the language server's packages needs the wheels of
@@ -113,7 +114,7 @@ if has first_token; then
         flag=$([ "$quant" = bf16 ] || echo "--quant $quant")
         # shellcheck disable=SC2086
         "$PYTHON" -m engine.bench.first_token --shape qwen3-30b-a3b --device cuda $flag \
-            --contexts 1024 4096 --repeat 5 --json "$OUT/first_token_$quant.json" 2>&1 \
+            --contexts 1024 4096 --repeat 5 --profile 15 --json "$OUT/first_token_$quant.json" 2>&1 \
             | tee "$OUT/first_token_$quant.log"
     done
 fi
