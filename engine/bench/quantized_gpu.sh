@@ -13,9 +13,9 @@
 #           bf16 step on the dequantized weights
 #   variants  the decode step's fusion sets side by side in bf16, FP8 and int4 (VARIANTS; each
 #           checked against the unfused step's logits first)
-#   knobs   the engine's step with one knob moved at a time (B=1, 4K): int4 with warp decode or
-#           the projections outside the PDL chain; FP8 with other attention splits, router
-#           programs and the two slower fusions (KNOBS_INT4, KNOBS_FP8)
+#   knobs   the engine's step with one knob moved at a time (B=1, 4K) in bf16, int4 and FP8:
+#           the fused router's experts a program and attention's splits (KNOBS_BF16,
+#           KNOBS_INT4, KNOBS_FP8)
 #   profile the engine's decode step kernel by kernel in bf16, FP8 and int4 (8 layers, B=1, 4K;
 #           without its graph, so each kernel's device time shows)
 #   first_token  the cold and warm first token after one keystroke at 1K and 4K in bf16, FP8
@@ -90,13 +90,16 @@ if has variants; then
     done
 fi
 if has knobs; then
-    knobs_int4="router|router+pdl|router+pdl:unlink=moe|router+pdl:unlink=projections"
-    knobs_int4+="|router+pdl:unlink=moe/projections"
-    knobs_fp8="router+pdl|router+pdl:splits=16|router+pdl:splits=32|router+pdl:route_e=1"
-    knobs_fp8+="|router+pdl:route_e=2|router+pdl:route_e=4|router+pdl:route_e=16"
-    knobs_fp8+="|router+pdl+attention_merge|router+pdl+attention_merge:splits=16"
-    knobs_fp8+="|router+pdl+norm_qkv"
-    for spec in "int4:${KNOBS_INT4:-$knobs_int4}" "fp8:${KNOBS_FP8:-$knobs_fp8}"; do
+    # The fused router's experts a program (route_e=1 took 2% off FP8's step) in every format,
+    # and fewer attention splits than the 65 a B=1 4K step takes (16 and 32 lost in FP8).
+    knobs_bf16="router+pdl|router+pdl:route_e=1|router+pdl:route_e=2|router+pdl:route_e=4"
+    knobs_bf16+="|router+pdl:splits=32|router+pdl:splits=48"
+    knobs_int4="router+pdl|router+pdl:route_e=1|router+pdl:route_e=2|router+pdl:route_e=4"
+    knobs_int4+="|router+pdl:splits=32|router+pdl:splits=48"
+    knobs_fp8="router+pdl|router+pdl:route_e=1|router+pdl:route_e=2|router+pdl:route_e=4"
+    knobs_fp8+="|router+pdl:route_e=1,splits=48|router+pdl:splits=32"
+    for spec in "bf16:${KNOBS_BF16:-$knobs_bf16}" "int4:${KNOBS_INT4:-$knobs_int4}" \
+        "fp8:${KNOBS_FP8:-$knobs_fp8}"; do
         decode_bench knobs "${spec%%:*}" --batches 1 --prefill 0 --stages check,variants \
             --variants "${spec#*:}"
     done

@@ -107,7 +107,7 @@ def test_the_gpu_scripts_knob_variants_parse():
     from engine.bench.decode import parse_variants
 
     script = (Path(__file__).parents[2] / "engine" / "bench" / "quantized_gpu.sh").read_text()
-    for quant in ("int4", "fp8"):
+    for quant in ("bf16", "int4", "fp8"):
         spec = "".join(re.findall(rf'knobs_{quant}\+?="([^"]*)"', script))
         variants = parse_variants(spec)
         assert len(variants) >= 5 and any(v.knobs for v in variants), spec
