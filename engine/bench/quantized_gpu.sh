@@ -81,7 +81,11 @@ decode_bench() {  # NAME QUANT ARGS...: engine.bench.decode on the 30B-A3B shape
         --no-transformers $flag "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
 }
 if has decode; then
-    for quant in bf16 fp8 int4; do decode_bench decode "$quant" --prefill 4096; done
+    # The step, its split, prefill chunks (flash against masked) and the quantized step against
+    # bf16; fusion sets and knobs have their own stages.
+    for quant in bf16 fp8 int4; do
+        decode_bench decode "$quant" --prefill 4096 --stages decode,split,prefill,compare
+    done
 fi
 if has variants; then
     variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
