@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.options import EngineOptions
 from engine.kv.pool import KVPool, PagedBatch
 from engine.loading.memory import (
     capped_kv_pool_bytes,
@@ -30,7 +31,6 @@ from engine.model.qwen3_moe import weight_bytes
 
 BLOCK = 16
 PROMPT = 4096
-CHUNK = 2048
 
 
 def main(argv=None) -> int:
@@ -39,8 +39,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", choices=("fp8", "int4"))
     ap.add_argument("--quant-lm-head", action="store_true", help="with --quant: the lm_head too")
     ap.add_argument("--gpu-memory-gb", type=float, required=True)
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prompt tokens a forward (default: the engine's chunk on CUDA)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    chunk = args.prefill_chunk or EngineOptions().chunk_for(torch.device("cuda"))
     if args.quant_lm_head and not args.quant:
         ap.error("--quant-lm-head needs --quant")
     log = logging.getLogger("fit")
@@ -66,6 +72,7 @@ def main(argv=None) -> int:
         in_use_after_load_gb=used / 1e9,
         kv_pool_gb=kv / 1e9,
         kv_tokens=blocks * BLOCK,
+        prefill_chunk=chunk,
     )
     log.info(
         "%s: weights %.2f GB (allocator %.2f GB) built in %.0f s; KV pool %.2f GB = %d tokens",
@@ -83,10 +90,11 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     for table in tables:
         ids = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=gen, device="cuda")
-        for start in range(0, PROMPT, CHUNK):
-            positions = torch.arange(start, start + CHUNK, device="cuda")[None]
+        for start in range(0, PROMPT, chunk):
+            end = min(PROMPT, start + chunk)
+            positions = torch.arange(start, end, device="cuda")[None]
             model.forward(
-                ids[:, start : start + CHUNK],
+                ids[:, start:end],
                 positions,
                 PagedBatch(pool, [table], "cuda"),
                 last_only=True,
@@ -101,9 +109,10 @@ def main(argv=None) -> int:
     result["max_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
     result["ok"] = result["max_reserved_gb"] <= args.gpu_memory_gb
     log.info(
-        "prefill 8 x %d tokens %.1f s; decode at batch 1 and 8 ran; peak reserved %.2f GB "
-        "under the %.0f GB cap: %s",
+        "prefill 8 x %d tokens in chunks of %d %.1f s; decode at batch 1 and 8 ran; "
+        "peak reserved %.2f GB under the %.0f GB cap: %s",
         PROMPT,
+        chunk,
         result["prefill_s_8x4k"],
         result["max_reserved_gb"],
         args.gpu_memory_gb,

@@ -42,6 +42,7 @@ if [ "${QUANT_LM_HEAD:-0}" = 1 ]; then HEAD_FLAG="--quant-lm-head" HEAD_NAME="_q
 MOE_ARGS=${MOE_ARGS:-}
 PREFILL_ARGS=${PREFILL_ARGS:-}  # e.g. "--tokens 2048": the CUDA scheduler's chunk only
 PROJECTIONS_ARGS=${PROJECTIONS_ARGS:-}  # e.g. "--formats int4 --projections qkv,o"
+FIT_ARGS=${FIT_ARGS:-}  # e.g. "--prefill-chunk 4096"
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -130,7 +131,7 @@ if has fit; then
         quant=${spec%:*} cap=${spec#*:}
         # shellcheck disable=SC2086
         "$PYTHON" -m engine.bench.fit --quant "$quant" $HEAD_FLAG --gpu-memory-gb "$cap" \
-            --out "$OUT/fit_$quant$HEAD_NAME.json" 2>&1 | tee "$OUT/fit_$quant$HEAD_NAME.log"
+            $FIT_ARGS --out "$OUT/fit_$quant$HEAD_NAME.json" 2>&1 | tee "$OUT/fit_$quant$HEAD_NAME.log"
     done
 fi
 if has latency; then
