@@ -51,6 +51,10 @@ DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
 # projections' GEMV loses to cuBLAS); int4 at 1 since warp decode's int4 tiles were tuned
 # ("The tuned quantized tables in the step").
 PDL_MAX_ROWS = {"fp8": 8, "bf16": 1, "int4": 1}
+# The fused router's experts a program in a step of one row: one (a warp, whose top-k is
+# shuffles only) measured faster there than kernels.router's default of eight (BENCHMARKS.md,
+# "The tuned quantized tables in the step"); other row counts are untimed and keep the default.
+ONE_ROW_ROUTER_BLOCK_E = 1
 
 
 def step_format(w_qkv: Weight, w_o: Weight) -> str:
@@ -86,7 +90,8 @@ class StepKernels:
     n_splits: int | None = None  # attention splits; None: default_splits for the step's shape
     # None: the engine's choice for the step's weight format and rows (default_fusions)
     fusions: frozenset[str] | None = None
-    # Experts per program of the fused router (kernels.router.norm_route); None: its default.
+    # Experts per program of the fused router (kernels.router.norm_route); None: the engine's
+    # (ONE_ROW_ROUTER_BLOCK_E in a step of one row, else the kernel's default).
     router_block_e: int | None = None
     # Stages launched outside the PDL chain (UNLINKABLE), the rest staying links: to time which
     # kernels lose from starting early.
@@ -130,7 +135,9 @@ class StepOps:
         self.pdl = PDL in fusions and torch.device(device).type == "cuda"
         self.pdl_moe = self.pdl and "moe" not in kernels.unlinked
         self.pdl_projections = self.pdl and "projections" not in kernels.unlinked
-        self.router_block_e = kernels.router_block_e
+        self.router_block_e = kernels.router_block_e or (
+            ONE_ROW_ROUTER_BLOCK_E if rows == 1 else None
+        )
         gemv_rows = rows <= MAX_ROWS
         self.norm_qkv = NORM_QKV in fusions and gemv_rows and kernels.linear is None
         self.router = ROUTER in fusions

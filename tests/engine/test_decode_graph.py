@@ -17,6 +17,7 @@ from engine.model.cuda_graph import DecodeGraphs, DecodeStep
 from engine.model.step_kernels import (
     DEFAULT_FUSIONS,
     FUSIONS,
+    ONE_ROW_ROUTER_BLOCK_E,
     StepKernels,
     StepOps,
     default_fusions,
@@ -207,6 +208,15 @@ def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, ro
         StepOps(StepKernels(fusions=frozenset()), rows, 2, 1e-6, "cpu", weight_format).fusions
         == set()
     )
+
+
+def test_a_one_row_step_routes_one_expert_a_program_unless_told():
+    """The fused router's experts a program: ONE_ROW_ROUTER_BLOCK_E at one row (where it was
+    timed faster), the kernel's default at more, and a benchmark's knob wins at any."""
+    one, two = (StepOps(StepKernels(), rows, 2, 1e-6, "cpu", "fp8") for rows in (1, 2))
+    assert (one.router_block_e, two.router_block_e) == (ONE_ROW_ROUTER_BLOCK_E, None)
+    asked = StepOps(StepKernels(router_block_e=8), 1, 2, 1e-6, "cpu", "fp8")
+    assert asked.router_block_e == 8
 
 
 def test_bf16_projections_count_as_bf16_only_where_the_gemv_is_tuned(tmp_path, monkeypatch):

@@ -63,7 +63,7 @@ def check_route(ids, weights, ref_ids, ref_weights, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("renorm", [True, False])
-@pytest.mark.parametrize("tokens,top_k,block_e", [(1, 3, 4), (5, 4, 8)])
+@pytest.mark.parametrize("tokens,top_k,block_e", [(1, 3, 4), (5, 4, 8), (1, 8, 1)])
 def test_norm_route_matches_reference(dtype, with_delta, renorm, tokens, top_k, block_e):
     x, delta, norm_weight, router = make_inputs(tokens, dtype, with_delta, top_k)
     counters = torch.zeros(tokens, dtype=torch.int32)
