@@ -3,7 +3,8 @@ model's attention projections, dense MLPs and lm_head call.
 
 Quantized weights on CUDA with a decode's few rows go to the skinny GEMV (kernels.gemv), which
 reads them as stored; otherwise (the CPU, or a prefill's many rows, where the product is
-compute-bound and the library GEMM wins) the weight is dequantized to x's dtype for that call.
+compute-bound and the library GEMM wins) the weight is dequantized to x's dtype for that call,
+on CUDA in one pass (kernels.dequantize).
 Plain bf16 weights take the library's GEMM, or the skinny GEMV at the sizes and row counts where
 its tuned table measured it faster (kernels.gemv.beats_library).
 """
@@ -25,4 +26,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         rows = x.numel() // max(1, x.shape[-1])
         if 0 < rows <= MAX_ROWS and (quantized or beats_library(*w.shape, rows)):
             return skinny_linear(x.reshape(rows, -1), w, bias).reshape(*x.shape[:-1], -1)
+    if quantized and x.is_cuda:
+        from kernels.dequantize import applies, dequantize_weight  # imports Triton
+
+        if applies(w):
+            return F.linear(x, dequantize_weight(w, x.dtype), bias)
     return F.linear(x, dequantize(w, x.dtype) if quantized else w, bias)

@@ -80,6 +80,7 @@ def test_every_kernel_compiles_for_hopper():
     assert "qk norm rope store: built" in run.stdout, run.stdout
     assert "paged attention split and merge: built" in run.stdout, run.stdout
     assert "add rms norm: built" in run.stdout, run.stdout
+    assert "one-pass dequantize: built" in run.stdout, run.stdout
 
 
 def warp_decode_compiles(fmt):
@@ -372,6 +373,23 @@ def norm_route_compiles():
     assert "griddepcontrol" in ptx and "atom" in ptx
 
 
+def dequantize_compiles():
+    """The one-pass dequantize (kernels.dequantize) of FP8 blocks and int4 groups to bf16."""
+    from kernels.dequantize import _dequantize_kernel, tile
+
+    for fmt in (FP8_BLOCKS, INT4_GROUPS):
+        w, s = STORED[fmt]
+        block_n, block_k = tile(FORMAT_CONSTS[fmt]["SCALE_COLS"])
+        ptx = compile_for_hopper(
+            _dequantize_kernel,
+            dict(w_ptr=w, s_ptr=s, out_ptr="bf16"),
+            dict(FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, **FORMAT_CONSTS[fmt]),
+            divisible=("n_rows", "n_cols", "stride_wn", "stride_on"),
+            num_warps=4,
+        )
+        assert "ld.global" in ptx and "st.global" in ptx
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), (
         "compiling needs Triton's JIT, not its interpreter"
@@ -393,6 +411,8 @@ def main() -> int:
     print("paged attention split and merge: built", flush=True)
     add_rms_norm_compiles()
     print("add rms norm: built", flush=True)
+    dequantize_compiles()
+    print("one-pass dequantize: built", flush=True)
     return 0
 
 

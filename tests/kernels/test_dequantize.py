@@ -1,0 +1,35 @@
+"""The one-pass GPU dequantize against kernels.quant.dequantize (Triton interpreter on the CPU):
+the same values bit for bit, ragged FP8 blocks and odd sizes included."""
+
+import pytest
+import torch
+from quantized_layers import poison_torch_empty, quantize
+
+from kernels.dequantize import applies, dequantize_weight
+from kernels.quant import dequantize
+
+
+@pytest.mark.parametrize(
+    "fmt,size,n_out,k_in",
+    [("fp8", 128, 300, 520), ("fp8", 16, 45, 72), ("int4", 32, 77, 288), ("int4", 128, 33, 256)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_equals_the_torch_dequantize(fmt, size, n_out, k_in, dtype, monkeypatch):
+    poison_torch_empty(monkeypatch)
+    g = torch.Generator().manual_seed(n_out * k_in)
+    w = quantize(torch.randn(n_out, k_in, generator=g) / k_in**0.5, fmt, size)
+    got = dequantize_weight(w, dtype)
+    expected = dequantize(w, dtype)
+    assert got.dtype == dtype and got.shape == (n_out, k_in)
+    assert expected.abs().min() < expected.abs().max()  # random values, not a constant
+    assert torch.equal(got, expected)
+
+
+def test_takes_only_what_its_kernel_reads():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    assert applies(quantize(w, "fp8", 16)) and applies(quantize(w, "int4", 32))
+    assert not applies(w)  # a plain weight
+    assert not applies(quantize(torch.randn(2, 64, 64, generator=g), "fp8", 16))  # experts
+    with pytest.raises(ValueError):
+        dequantize_weight(quantize(torch.randn(2, 64, 64, generator=g), "int4", 32), torch.float32)
