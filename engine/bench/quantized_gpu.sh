@@ -7,7 +7,9 @@
 #   projections  the q/k/v, o and lm_head GEMVs in bf16, FP8 and int4 against cuBLAS, their
 #           tiles tuned (tables written to kernels/configs/ and copied to $OUT/configs)
 #   prefill the expert-centric MoE layer at prompt-chunk sizes (512 and 2,048 tokens) in bf16,
-#           FP8 and int4, its tiles tuned per format (tables written to kernels/configs/)
+#           FP8 and int4, its tiles tuned per format (tables written to kernels/configs/); the
+#           quantized attention projections' dequantize for a chunk's GEMM, torch's against
+#           one pass
 #   decode  whole-model decode of the Qwen3-30B-A3B shape in bf16, FP8 and int4 (random weights
 #           quantized by the project's quantizer), with the quantized step's logits against the
 #           bf16 step on the dequantized weights
@@ -67,6 +69,8 @@ if has prefill; then
     # shellcheck disable=SC2086
     "$PYTHON" -m engine.bench.prefill_moe --tune $PREFILL_ARGS --out "$OUT/prefill_moe.json" 2>&1 \
         | tee "$OUT/prefill_moe.log"
+    "$PYTHON" -m engine.bench.prefill_projections --rows 2048,4096 \
+        --out "$OUT/prefill_projections.json" 2>&1 | tee "$OUT/prefill_projections.log"
 fi
 if has moe || has projections || has prefill; then
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/"

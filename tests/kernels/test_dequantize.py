@@ -33,3 +33,12 @@ def test_takes_only_what_its_kernel_reads():
     assert not applies(quantize(torch.randn(2, 64, 64, generator=g), "fp8", 16))  # experts
     with pytest.raises(ValueError):
         dequantize_weight(quantize(torch.randn(2, 64, 64, generator=g), "int4", 32), torch.float32)
+
+
+def test_the_prefill_projections_bench_checks_on_the_cpu(capsys):
+    """engine.bench.prefill_projections' checks (its timing needs a GPU) pass on a tiny shape."""
+    from engine.bench.prefill_projections import main
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--copies", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("one pass equals torch's") == 4, out
