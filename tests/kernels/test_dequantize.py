@@ -6,7 +6,7 @@ import torch
 from quantized_layers import poison_torch_empty, quantize
 
 from kernels.dequantize import applies, dequantize_weight
-from kernels.quant import dequantize
+from kernels.quant import dequantize, to
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,13 @@ def test_the_prefill_projections_bench_checks_on_the_cpu(capsys):
     assert main(["--shape", "tiny", "--device", "cpu", "--copies", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("one pass equals torch's") == 4, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("fmt,size", [("fp8", 128), ("int4", 128), ("int4", 32)])
+def test_gpu_compiled_equals_the_torch_dequantize(fmt, size):
+    """The kernel compiled by Triton (not interpreted), at the 30B-A3B q/k/v size."""
+    g = torch.Generator().manual_seed(size)
+    w = quantize(torch.randn(5120, 2048, generator=g) / 2048**0.5, fmt, size)
+    w = to(w, "cuda")
+    assert torch.equal(dequantize_weight(w, torch.bfloat16), dequantize(w, torch.bfloat16))
