@@ -57,7 +57,7 @@ def _dequantize_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     row_ptrs = rows.to(tl.int64)[:, None]
-    if FORMAT == 2:  # int4 words: PER_ITEM values each, along K
+    if FORMAT == 2:  # int4 words (INT4_GROUPS): PER_ITEM values each, along K
         words = tl.program_id(1) * (BLOCK_K // PER_ITEM) + tl.arange(0, BLOCK_K // PER_ITEM)
         word_mask = (rows < n_rows)[:, None] & (words * PER_ITEM < n_cols)[None, :]
         stored = tl.load(w_ptr + row_ptrs * stride_wn + words[None, :], mask=word_mask, other=0)
@@ -93,7 +93,6 @@ def dequantize_weight(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(n_rows, n_cols, dtype=dtype, device=w.device)
     if n_rows == 0 or n_cols == 0:
         return out
-    fmt = 2 if kw.format == INT4_GROUPS else 1
     block_n, block_k = tile(kw.scale_cols)
     assert kw.format in (FP8_BLOCKS, INT4_GROUPS) and block_k % kw.per_item == 0
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
@@ -106,7 +105,7 @@ def dequantize_weight(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
         kw.stored.stride(0),
         kw.scale.stride(0),
         out.stride(0),
-        FORMAT=fmt,
+        FORMAT=kw.format,
         SCALE_ROWS=kw.scale_rows,
         SCALE_COLS=kw.scale_cols,
         PER_ITEM=kw.per_item,

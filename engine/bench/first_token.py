@@ -67,23 +67,32 @@ def settle(model) -> None:
         torch.cuda.synchronize(model.device)
 
 
+def ready_engine(model, tokenizer, options, warm_with: list[int] | None = None) -> Engine:
+    """A fresh engine, warmed with `warm_with` (the prompt one keystroke earlier) if given, once
+    the device has run everything queued."""
+    engine = Engine(model, tokenizer, options)
+    if warm_with is not None:
+        engine.complete(Request(warm_with, warm_only=True))
+    settle(model)
+    return engine
+
+
 def profile_requests(model, tokenizer, options, before, after, top: int) -> None:
     """Where a cold and a warm first token spend their time: torch's profiler over one request
-    each, the costliest operations by device time, then by host time."""
+    each, the costliest operations by device time (on CUDA), then by host time."""
     activities = [torch.profiler.ProfilerActivity.CPU]
+    sort_keys = ["self_cpu_time_total"]
     if model.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort_keys.insert(0, "self_device_time_total")
     for name, warm_with in (("cold", None), ("warm", before)):
-        engine = Engine(model, tokenizer, options)
-        if warm_with is not None:
-            engine.complete(Request(warm_with, warm_only=True))
-        settle(model)
+        engine = ready_engine(model, tokenizer, options, warm_with)
         with torch.profiler.profile(activities=activities) as prof:
             ms = first_token_ms(engine, after)
             settle(model)
         events = prof.key_averages()
         print(f"\n{name} first token, {len(after)} prompt tokens: {ms:.1f} ms under the profiler")
-        for key in ("self_device_time_total", "self_cpu_time_total")[2 - len(activities) :]:
+        for key in sort_keys:
             print(events.table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
@@ -198,12 +207,8 @@ def main(argv=None) -> int:
         )
         cold, warm = [], []
         for _ in range(args.repeat):
-            engine = Engine(model, tokenizer, options)
-            settle(model)
-            cold.append(first_token_ms(engine, after))
-            engine = Engine(model, tokenizer, options)
-            engine.complete(Request(before, warm_only=True))
-            settle(model)
+            cold.append(first_token_ms(ready_engine(model, tokenizer, options), after))
+            engine = ready_engine(model, tokenizer, options, warm_with=before)
             warm.append(first_token_ms(engine, after))
         row = dict(
             prompt_tokens=len(after),

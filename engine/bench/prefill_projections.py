@@ -42,11 +42,21 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}; read bandwidth {bandwidth / 1e12:.2f} TB/s")
     else:
         bandwidth = None
+
+    def per_weight(fn, ws) -> float:
+        """Microseconds of fn(w) per weight, the copies cycled in one graph."""
+        return graph_time_us(lambda: [fn(w) for w in ws]) / len(ws)
+
     results = []
     for name, (n_out, k_in) in projection_sizes(SHAPES[args.shape]).items():
         if name == "lm_head":  # a prefill reads only its last row's logits
             continue
-        plain = weights("bf16", n_out, k_in, args.device, args.copies, seed=n_out)
+        gemm_us = {}  # the bf16 GEMM of each chunk size, what either format's dequantize feeds
+        if timed:
+            plain = weights("bf16", n_out, k_in, args.device, args.copies, seed=n_out)
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, k_in, device=args.device, dtype=torch.bfloat16)
+                gemm_us[f"gemm_bf16_{rows}_us"] = per_weight(lambda w, x=x: F.linear(x, w), plain)
         for fmt in args.formats.split(","):
             ws = weights(fmt, n_out, k_in, args.device, args.copies, seed=n_out)
             one_pass = dequantize_weight(ws[0], torch.bfloat16)
@@ -54,21 +64,13 @@ def main(argv=None) -> int:
             if not timed:
                 print(f"{name:>4} {fmt:>4} [{n_out} x {k_in}]: one pass equals torch's")
                 continue
-
-            def per_weight(fn, ws=ws) -> float:
-                return graph_time_us(lambda: [fn(w) for w in ws]) / len(ws)
-
             row = dict(projection=name, format=fmt, n_out=n_out, k_in=k_in)
             row["dequantize_floor_us"] = (nbytes(ws[0]) + 2 * n_out * k_in) / bandwidth * 1e6
-            row["torch_dequantize_us"] = per_weight(lambda w: dequantize(w, torch.bfloat16))
-            row["one_pass_us"] = per_weight(lambda w: dequantize_weight(w, torch.bfloat16))
-            for rows in map(int, args.rows.split(",")):
-                x = torch.randn(rows, k_in, device=args.device, dtype=torch.bfloat16)
-                row[f"gemm_bf16_{rows}_us"] = per_weight(lambda w, x=x: F.linear(x, w), plain)
+            row["torch_dequantize_us"] = per_weight(lambda w: dequantize(w, torch.bfloat16), ws)
+            row["one_pass_us"] = per_weight(lambda w: dequantize_weight(w, torch.bfloat16), ws)
+            row.update(gemm_us)
             results.append(row)
-            gemms = "  ".join(
-                f"GEMM {k.split('_')[2]} rows {v:7.1f}" for k, v in row.items() if "gemm" in k
-            )
+            gemms = "  ".join(f"GEMM {k.split('_')[2]} rows {v:7.1f}" for k, v in gemm_us.items())
             print(
                 f"{name:>4} {fmt:>4} [{n_out} x {k_in}]  floor {row['dequantize_floor_us']:6.1f}"
                 f"  torch {row['torch_dequantize_us']:7.1f}  one pass {row['one_pass_us']:6.1f}"
