@@ -693,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefill-chunk",
         type=int,
-        help="prompt tokens per scheduler step (default: 2048 on CUDA, 512 on the CPU)",
+        help="prompt tokens per scheduler step (default: 4096 on CUDA, 512 on the CPU)",
     )
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument(

@@ -6,6 +6,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+# One chunk holds a whole 4K prompt: 1.2-1.3x the tokens a second of 2,048-token chunks in every
+# weight format, and the capped 30B-A3B fits keep their KV pools (BENCHMARKS.md, "Prefill in one
+# 4,096-token chunk").
+CUDA_PREFILL_CHUNK = 4096
+CPU_PREFILL_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -14,8 +20,8 @@ class EngineOptions:
     block_size: int = 16  # tokens per KV block
     kv_fp8: bool = False  # store K/V in fp8 (e4m3) with scales
     kv_memory_bytes: int = 256 << 20
-    # Prompt tokens per step: bounds how long a cold prompt stalls running decodes. None: 2048 on
-    # CUDA, where larger chunks run far faster per token, 512 on the CPU.
+    # Prompt tokens per step: bounds how long a cold prompt stalls running decodes. None:
+    # CUDA_PREFILL_CHUNK on CUDA, where larger chunks run far faster per token, 512 on the CPU.
     prefill_chunk: int | None = None
     max_batch: int = 32  # sequences in one decode step
     # Blocks one owner may hold while another owner is served: with a quarter, three clients that
@@ -42,4 +48,4 @@ class EngineOptions:
     def chunk_for(self, device: torch.device) -> int:
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        return 2048 if device.type == "cuda" else 512
+        return CUDA_PREFILL_CHUNK if device.type == "cuda" else CPU_PREFILL_CHUNK
