@@ -5,13 +5,16 @@ on residual adds, RMSNorms, q/k norms, RoPE and the KV write. Two kernels replac
 
 - `add_rms_norm`: residual add, then RMSNorm of the sum (one read of each input, two writes);
 - `qk_norm_rope_store`: per-head RMSNorm of q and k, RoPE, and the store of k and v into the
-  KV pool's slots, straight from the fused qkv projection.
+  KV pool's slots, straight from the fused qkv projection (`AttentionHeads` says where they go;
+  kernels.gemv.heads_linear runs the same as the projection's epilogue).
 
 Numerics follow `kernels.reference` (and transformers): the sum and each norm's output are
 rounded to the activation dtype where the reference rounds them; statistics are fp32.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -87,6 +90,79 @@ def add_rms_norm(
 
 
 @triton.jit
+def head_norm_rope_store(
+    lo,
+    hi,
+    head,
+    tokens,
+    token_ok,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_dst_ptr,
+    v_dst_ptr,
+    slots_ptr,
+    stride_cs,
+    stride_dst_slot,
+    n_q_heads,
+    n_kv_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """One head of the fused q/k/v projection for the tokens at `tokens` [R] (those with
+    `token_ok`): its halves lo, hi [R, HALF] (fp32 of values in the activation dtype) normed
+    and rotated into q_out (q heads), normed, rotated and stored at each token's slot (k heads),
+    or stored there as they are (v heads). Shared by `qk_norm_rope_store` and the q/k/v GEMV's
+    epilogue (kernels.gemv.heads_linear), which must round alike."""
+    d = tl.arange(0, HALF)
+    ok = token_ok[:, None]
+    slot = tl.load(slots_ptr + tokens, mask=token_ok, other=0).to(tl.int64)
+    if head >= n_q_heads + n_kv_heads:  # v: stored as it is
+        dst = (
+            v_dst_ptr + slot[:, None] * stride_dst_slot + (head - n_q_heads - n_kv_heads) * HEAD_DIM
+        )
+        tl.store(dst + d[None, :], lo.to(v_dst_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d[None, :], hi.to(v_dst_ptr.dtype.element_ty), mask=ok)
+    else:
+        out_dtype = q_out_ptr.dtype.element_ty
+        is_q = head < n_q_heads
+        if is_q:
+            w_lo = tl.load(qw_ptr + d).to(tl.float32)[None, :]
+            w_hi = tl.load(qw_ptr + HALF + d).to(tl.float32)[None, :]
+        else:
+            w_lo = tl.load(kw_ptr + d).to(tl.float32)[None, :]
+            w_hi = tl.load(kw_ptr + HALF + d).to(tl.float32)[None, :]
+        inv = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / HEAD_DIM + eps)
+        inv = inv[:, None]
+        lo = (w_lo * (lo * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        hi = (w_hi * (hi * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        # Rotate-half RoPE, each product rounded as the reference's x*cos + rot(x)*sin is.
+        cs = cos_ptr + tokens[:, None] * stride_cs + d[None, :]
+        sn = sin_ptr + tokens[:, None] * stride_cs + d[None, :]
+        cos_lo = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
+        cos_hi = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        sin_lo = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
+        sin_hi = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+        r_lo = (lo * cos_lo).to(out_dtype).to(tl.float32) + (-hi * sin_lo).to(out_dtype).to(
+            tl.float32
+        )
+        r_hi = (hi * cos_hi).to(out_dtype).to(tl.float32) + (lo * sin_hi).to(out_dtype).to(
+            tl.float32
+        )
+        if is_q:
+            q_dst = q_out_ptr + (tokens[:, None] * n_q_heads + head) * HEAD_DIM + d[None, :]
+            tl.store(q_dst, r_lo.to(out_dtype), mask=ok)
+            tl.store(q_dst + HALF, r_hi.to(out_dtype), mask=ok)
+        else:
+            k_dst = k_dst_ptr + slot[:, None] * stride_dst_slot + (head - n_q_heads) * HEAD_DIM
+            tl.store(k_dst + d[None, :], r_lo.to(k_dst_ptr.dtype.element_ty), mask=ok)
+            tl.store(k_dst + HALF + d[None, :], r_hi.to(k_dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr,
     qw_ptr,
@@ -109,51 +185,34 @@ def _qk_norm_rope_store_kernel(
 ):
     launch_dependents(PDL)
     wait(PDL)  # everything here reads the projection just written
-    token = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # this program's one token
     head = tl.program_id(1)  # q heads, then k heads, then v heads, as they sit in qkv
     d = tl.arange(0, HALF)
-    src = qkv_ptr + token * stride_qkv + head * HEAD_DIM
-    lo = tl.load(src + d).to(tl.float32)
-    hi = tl.load(src + HALF + d).to(tl.float32)
-    out_dtype = q_out_ptr.dtype.element_ty
-    slot = tl.load(slots_ptr + token).to(tl.int64)
-    if head >= n_q_heads + n_kv_heads:  # v: stored as it is
-        kv = head - n_q_heads - n_kv_heads
-        dst = v_dst_ptr + slot * stride_dst_slot + kv * HEAD_DIM
-        tl.store(dst + d, lo.to(v_dst_ptr.dtype.element_ty))
-        tl.store(dst + HALF + d, hi.to(v_dst_ptr.dtype.element_ty))
-    else:
-        is_q = head < n_q_heads
-        if is_q:
-            w_lo = tl.load(qw_ptr + d).to(tl.float32)
-            w_hi = tl.load(qw_ptr + HALF + d).to(tl.float32)
-        else:
-            w_lo = tl.load(kw_ptr + d).to(tl.float32)
-            w_hi = tl.load(kw_ptr + HALF + d).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HEAD_DIM + eps)
-        lo = (w_lo * (lo * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-        hi = (w_hi * (hi * inv).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-        # Rotate-half RoPE, each product rounded as the reference's x*cos + rot(x)*sin is.
-        cs = cos_ptr + token * stride_cs
-        sn = sin_ptr + token * stride_cs
-        cos_lo = tl.load(cs + d).to(tl.float32)
-        cos_hi = tl.load(cs + HALF + d).to(tl.float32)
-        sin_lo = tl.load(sn + d).to(tl.float32)
-        sin_hi = tl.load(sn + HALF + d).to(tl.float32)
-        r_lo = (lo * cos_lo).to(out_dtype).to(tl.float32) + (-hi * sin_lo).to(out_dtype).to(
-            tl.float32
-        )
-        r_hi = (hi * cos_hi).to(out_dtype).to(tl.float32) + (lo * sin_hi).to(out_dtype).to(
-            tl.float32
-        )
-        if is_q:
-            q_dst = q_out_ptr + (token * n_q_heads + head) * HEAD_DIM
-            tl.store(q_dst + d, r_lo.to(out_dtype))
-            tl.store(q_dst + HALF + d, r_hi.to(out_dtype))
-        else:
-            k_dst = k_dst_ptr + slot * stride_dst_slot + (head - n_q_heads) * HEAD_DIM
-            tl.store(k_dst + d, r_lo.to(k_dst_ptr.dtype.element_ty))
-            tl.store(k_dst + HALF + d, r_hi.to(k_dst_ptr.dtype.element_ty))
+    src = qkv_ptr + tokens[:, None] * stride_qkv + head * HEAD_DIM + d[None, :]
+    lo = tl.load(src).to(tl.float32)
+    hi = tl.load(src + HALF).to(tl.float32)
+    head_norm_rope_store(
+        lo,
+        hi,
+        head,
+        tokens,
+        tokens >= 0,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_dst_ptr,
+        v_dst_ptr,
+        slots_ptr,
+        stride_cs,
+        stride_dst_slot,
+        n_q_heads,
+        n_kv_heads,
+        eps,
+        HEAD_DIM,
+        HALF,
+    )
 
 
 def qk_norm_rope_store(
@@ -206,3 +265,43 @@ def qk_norm_rope_store(
         **launch_options(pdl and pdl_supported(qkv.device)),
     )
     return q
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionHeads:
+    """Where the heads of T decode tokens' fused q/k/v projection go: q normed by q_norm [D]
+    and rotated into a new [T, Hq, D] tensor; k normed by k_norm, rotated and stored, and v
+    stored, at `slots` [T] of key_dst / value_dst [slots, Hkv, D] (the KV pool's layer, or a
+    scratch). cos, sin [T, D]: the rotate-half tables in the activation dtype."""
+
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key_dst: torch.Tensor
+    value_dst: torch.Tensor
+    slots: torch.Tensor
+    n_q_heads: int
+    n_kv_heads: int
+    eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_norm.shape[0]
+
+    def store(self, qkv: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """q from the projection qkv [T, (Hq + 2*Hkv) * D], k and v stored (one launch)."""
+        return qk_norm_rope_store(
+            qkv,
+            self.q_norm,
+            self.k_norm,
+            self.cos,
+            self.sin,
+            self.key_dst,
+            self.value_dst,
+            self.slots,
+            self.n_q_heads,
+            self.n_kv_heads,
+            self.eps,
+            pdl,
+        )

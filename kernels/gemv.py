@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels import tuned
 from kernels.counters import sm_count, zeroed_counters
+from kernels.fused_ops import AttentionHeads, head_norm_rope_store
 from kernels.pdl import launch_dependents, launch_options, pdl_supported, wait
 from kernels.quant import Weight, format_name, is_quantized, kernel_weight
 from kernels.quant_tiles import k_step, quantized_dot, scale_weights
@@ -134,17 +135,13 @@ def _accumulate(
 
 
 @triton.jit
-def _skinny_kernel(
+def _stripe_product(
     x_ptr,
     delta_ptr,
     nw_ptr,
     sum_ptr,
     w_ptr,
     s_ptr,
-    b_ptr,
-    y_ptr,
-    part_ptr,
-    counters_ptr,
     n_rows,
     n_out,
     k_in,
@@ -152,9 +149,7 @@ def _skinny_kernel(
     stride_xm,
     stride_wn,
     stride_sn,
-    stride_ym,
     eps,
-    HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -166,10 +161,11 @@ def _skinny_kernel(
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
     SCALE_WEIGHTS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
+    """This program's fp32 product [ROWS, BLOCK_N]: its stripe of outputs (program_id 0) over
+    its part of K (program_id 1). Waits for the previous link of a PDL chain once its first
+    weight tile is in flight."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_start = pid_k * k_part  # this program's part of K: [k_start, k_end)
@@ -256,7 +252,80 @@ def _skinny_kernel(
         acc = _accumulate(
             a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS, INTERPRET
         )
-    mask_y = mask_m[:, None] & mask_n[None, :]
+    return acc
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    delta_ptr,
+    nw_ptr,
+    sum_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    counters_ptr,
+    n_rows,
+    n_out,
+    k_in,
+    k_part,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    launch_dependents(PDL)
+    acc = _stripe_product(
+        x_ptr,
+        delta_ptr,
+        nw_ptr,
+        sum_ptr,
+        w_ptr,
+        s_ptr,
+        n_rows,
+        n_out,
+        k_in,
+        k_part,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        eps,
+        NORM,
+        HAS_DELTA,
+        BLOCK_N,
+        BLOCK_K,
+        ROWS,
+        INTERPRET,
+        FORMAT,
+        SCALE_ROWS,
+        SCALE_COLS,
+        PER_ITEM,
+        SCALE_WEIGHTS,
+        PDL,
+    )
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    mask_n = offs_n < n_out
+    mask_y = (offs_m < n_rows)[:, None] & mask_n[None, :]
     offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
     if SPLIT_K > 1:
         tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_y)
@@ -275,6 +344,138 @@ def _skinny_kernel(
             tl.store(counters_ptr + pid, 0)  # ready for the next launch and every graph replay
     else:
         _store_output(acc, b_ptr, y_ptr, offs_m, offs_n, mask_n, mask_y, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _skinny_heads_kernel(
+    x_ptr,
+    delta_ptr,
+    nw_ptr,
+    sum_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    part_ptr,
+    counters_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_dst_ptr,
+    v_dst_ptr,
+    slots_ptr,
+    n_rows,
+    n_out,
+    k_in,
+    k_part,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_cs,
+    stride_dst_slot,
+    n_q_heads,
+    n_kv_heads,
+    eps,
+    head_eps,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    FORMAT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    PER_ITEM: tl.constexpr,
+    SCALE_WEIGHTS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The q/k/v projection with the attention inputs as its epilogue: every program stores its
+    fp32 partial, and the last of a head's HEAD_DIM // BLOCK_N stripes x SPLIT_K parts to
+    arrive adds the head's partials in a fixed order and hands the head to
+    `kernels.fused_ops.head_norm_rope_store` (q/k RMSNorm, RoPE, the K/V store)."""
+    launch_dependents(PDL)
+    acc = _stripe_product(
+        x_ptr,
+        delta_ptr,
+        nw_ptr,
+        sum_ptr,
+        w_ptr,
+        s_ptr,
+        n_rows,
+        n_out,
+        k_in,
+        k_part,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        eps,
+        NORM,
+        HAS_DELTA,
+        BLOCK_N,
+        BLOCK_K,
+        ROWS,
+        INTERPRET,
+        FORMAT,
+        SCALE_ROWS,
+        SCALE_COLS,
+        PER_ITEM,
+        SCALE_WEIGHTS,
+        PDL,
+    )
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    mask_m = offs_m < n_rows
+    offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
+    tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_m[:, None])
+    tl.debug_barrier()  # every thread's partial stored before the count says so
+    head = pid * BLOCK_N // HEAD_DIM
+    count = tl.atomic_add(counters_ptr + head, 1, sem="acq_rel")
+    if count == SPLIT_K * (HEAD_DIM // BLOCK_N) - 1:
+        d = tl.arange(0, HALF)
+        offs_lo = offs_m[:, None] * n_out + head * HEAD_DIM + d[None, :]
+        lo = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        hi = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        for part in range(SPLIT_K):  # in order, whichever part came last
+            part_lo = part_ptr + part * n_rows * n_out + offs_lo
+            # .cg: from L2, other SMs wrote them
+            lo += tl.load(part_lo, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            hi += tl.load(part_lo + HALF, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            lo += tl.load(b_ptr + head * HEAD_DIM + d).to(tl.float32)[None, :]
+            hi += tl.load(b_ptr + head * HEAD_DIM + HALF + d).to(tl.float32)[None, :]
+        # Rounded as the projection's output is before the separate kernel reads it.
+        dtype = x_ptr.dtype.element_ty
+        head_norm_rope_store(
+            lo.to(dtype).to(tl.float32),
+            hi.to(dtype).to(tl.float32),
+            head,
+            offs_m.to(tl.int64),
+            mask_m,
+            qw_ptr,
+            kw_ptr,
+            cos_ptr,
+            sin_ptr,
+            q_out_ptr,
+            k_dst_ptr,
+            v_dst_ptr,
+            slots_ptr,
+            stride_cs,
+            stride_dst_slot,
+            n_q_heads,
+            n_kv_heads,
+            head_eps,
+            HEAD_DIM,
+            HALF,
+        )
+        tl.store(counters_ptr + head, 0)  # ready for the next launch and every graph replay
 
 
 @triton.jit
@@ -334,6 +535,31 @@ def norm_linear(
     the same roundings. x, delta [M, K] with M <= MAX_ROWS; tiles as for `skinny_linear`."""
     tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k, scale_weights)
     return _launch(x, delta, norm_weight, eps, w, bias, tiles, pdl)
+
+
+def heads_linear(
+    x: torch.Tensor,
+    w: Weight,
+    bias: torch.Tensor | None,
+    heads: AttentionHeads,
+    delta: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pdl: bool = False,
+    split_k: int | None = None,
+    scale_weights: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, q): `heads.store(F.linear(a, w, bias))` in one launch, the q/k/v projection with the
+    attention inputs as its epilogue (each head handled by the last of its programs), where
+    a = x, or a = rms_norm(s) * norm_weight with s = x + delta when norm_weight is given (as
+    `norm_linear`; s = x without delta). Stripes are at most a head wide; tiles as for
+    `skinny_linear`."""
+    tiles = _Tiles(block_n, block_k, num_warps, num_stages, split_k, scale_weights)
+    return _launch(x, delta, norm_weight, eps, w, bias, tiles, pdl, heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +632,7 @@ def default_split_k(n_stripes: int, k_steps: int, device: torch.device) -> int:
     return max(1, min(-(-target // n_stripes), k_steps // 2))
 
 
-def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
+def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads=None):
     n_rows, k_in = x.shape
     n_out = w.shape[0]
     assert 0 < n_rows <= MAX_ROWS and len(w.shape) == 2 and w.shape[1] == k_in
@@ -414,12 +640,19 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
     kw = kernel_weight(w)
     tiles = tiles.over(tuned_tiles(format_name(w), n_out, k_in, n_rows))
     block_n = tiles.block_n
+    if heads is not None:  # a stripe within one head (both powers of two)
+        head_dim = heads.head_dim
+        assert n_out == (heads.n_q_heads + 2 * heads.n_kv_heads) * head_dim
+        assert next_pow2(head_dim) == head_dim and heads.slots.shape[0] >= n_rows
+        assert heads.key_dst.stride(1) == head_dim
+        assert heads.key_dst.stride() == heads.value_dst.stride()
+        block_n = min(block_n, head_dim)
     block_k = k_step(tiles.block_k, kw)
     n_stripes, k_steps = triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k)
     split_k = tiles.split_k or default_split_k(n_stripes, k_steps, x.device)
     k_part = triton.cdiv(k_steps, max(1, min(split_k, k_steps))) * block_k
     split_k = triton.cdiv(k_in, k_part)  # no empty part
-    if split_k > 1:
+    if split_k > 1 or heads is not None:
         partials = torch.empty(split_k, n_rows, n_out, dtype=torch.float32, device=x.device)
         counters = zeroed_counters(x.device, n_stripes, COUNTERS_USER)
     else:
@@ -432,28 +665,8 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
         total = torch.empty_like(x)
     else:
         total = x
-    y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
     chained = pdl and pdl_supported(x.device)
-    _skinny_kernel[(n_stripes, split_k)](
-        x,
-        delta if delta is not None else x,
-        norm_weight if norm else x,
-        total,
-        kw.stored,
-        kw.scale,
-        bias if bias is not None else kw.stored,
-        y,
-        partials,
-        counters,
-        n_rows,
-        n_out,
-        k_in,
-        k_part,
-        x.stride(0),
-        kw.stored.stride(0),
-        kw.scale.stride(0),
-        y.stride(0),
-        eps,
+    common = dict(
         HAS_BIAS=bias is not None,
         NORM=norm,
         HAS_DELTA=delta is not None,
@@ -471,5 +684,64 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool):
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **launch_options(chained),
+    )
+    inputs = (
+        x,
+        delta if delta is not None else x,
+        norm_weight if norm else x,
+        total,
+        kw.stored,
+        kw.scale,
+        bias if bias is not None else kw.stored,
+    )
+    if heads is not None:
+        q = torch.empty(n_rows, heads.n_q_heads, head_dim, dtype=x.dtype, device=x.device)
+        cos, sin = heads.cos.contiguous(), heads.sin.contiguous()
+        _skinny_heads_kernel[(n_stripes, split_k)](
+            *inputs,
+            partials,
+            counters,
+            heads.q_norm,
+            heads.k_norm,
+            cos,
+            sin,
+            q,
+            heads.key_dst,
+            heads.value_dst,
+            heads.slots,
+            n_rows,
+            n_out,
+            k_in,
+            k_part,
+            x.stride(0),
+            kw.stored.stride(0),
+            kw.scale.stride(0),
+            cos.stride(0),
+            heads.key_dst.stride(0),
+            heads.n_q_heads,
+            heads.n_kv_heads,
+            eps,
+            heads.eps,
+            HEAD_DIM=head_dim,
+            HALF=head_dim // 2,
+            **common,
+        )
+        return total, q
+    y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(n_stripes, split_k)](
+        *inputs,
+        y,
+        partials,
+        counters,
+        n_rows,
+        n_out,
+        k_in,
+        k_part,
+        x.stride(0),
+        kw.stored.stride(0),
+        kw.scale.stride(0),
+        y.stride(0),
+        eps,
+        **common,
     )
     return total, y

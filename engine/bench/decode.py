@@ -37,6 +37,7 @@ from engine.model.step_kernels import (
     FUSIONS,
     GEMV,
     NORM_QKV,
+    QKV_EPILOGUE,
     ROUTER,
     StepKernels,
 )
@@ -199,6 +200,7 @@ FUSION_STEPS = (
     (),
     (ROUTER,),
     (ROUTER, GEMV),
+    (ROUTER, GEMV, QKV_EPILOGUE),
     (ROUTER, GEMV, NORM_QKV),
     (ROUTER, GEMV, NORM_QKV, ATTENTION_MERGE),
     FUSIONS,

@@ -29,7 +29,7 @@ from engine.model.layer import mlp
 from engine.model.qwen3_moe import Qwen3MoeModel
 from engine.model.step_kernels import DEFAULT_KERNELS, StepKernels, StepOps, step_format
 from kernels import reference as ref
-from kernels.fused_ops import add_rms_norm, qk_norm_rope_store
+from kernels.fused_ops import AttentionHeads, add_rms_norm
 from kernels.paged_attention import default_splits
 from kernels.quant_linear import linear
 
@@ -118,8 +118,16 @@ class DecodeStep:
         cos, sin = ref.rope_cos_sin(self.positions, model.inv_freq, model.dtype)  # [rows, D]
         delta = None  # the last sublayer's output, not yet added to x
         for index, layer in enumerate(model.layers):
-            x, qkv = ops.norm_linear(x, delta, layer.input_norm, layer.w_qkv, layer.b_qkv)
-            q = self._q_and_store_kv(index, layer, qkv, cos, sin)
+            x, q = ops.attention_inputs(
+                x,
+                delta,
+                layer.input_norm,
+                layer.w_qkv,
+                layer.b_qkv,
+                self._heads(index, layer, cos, sin),
+            )
+            if pool.fp8:  # the new K/V went to the scratch: quantised into the pool
+                pool.write(index, self.slots, self.k_scratch, self.v_scratch)
             scales = (
                 (pool.key_scales[index], pool.value_scales[index]) if pool.fp8 else (None, None)
             )
@@ -150,34 +158,24 @@ class DecodeStep:
         self.logits = logits
         self.greedy = logits.argmax(dim=-1)
 
-    def _q_and_store_kv(self, index, layer, qkv, cos, sin) -> torch.Tensor:
+    def _heads(self, index, layer, cos, sin) -> AttentionHeads:
+        """Where layer `index`'s new q, k and v go: k and v into the pool at the rows' slots,
+        or, for an fp8 pool, into the scratch that pool.write then quantises."""
         cfg, pool = self.model.config, self.pool
-        args = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.ops.pdl)
-        if not pool.fp8:
-            return qk_norm_rope_store(
-                qkv,
-                layer.q_norm,
-                layer.k_norm,
-                cos,
-                sin,
-                pool.keys[index],
-                pool.values[index],
-                self.slots,
-                *args,
-            )
-        q = qk_norm_rope_store(
-            qkv,
+        if pool.fp8:
+            dst = (self.k_scratch, self.v_scratch, self.scratch_slots)
+        else:
+            dst = (pool.keys[index], pool.values[index], self.slots)
+        return AttentionHeads(
             layer.q_norm,
             layer.k_norm,
             cos,
             sin,
-            self.k_scratch,
-            self.v_scratch,
-            self.scratch_slots,
-            *args,
+            *dst,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.rms_norm_eps,
         )
-        pool.write(index, self.slots, self.k_scratch, self.v_scratch)
-        return q
 
 
 class DecodeGraphs:

@@ -9,6 +9,9 @@ without it in one run (`engine.bench.decode`: its step variants add one fusion a
   (kernels.gemv.norm_linear), which recomputes the norm in each program;
 - "router": the add and RMSNorm before the MoE, the router's matmul and its softmax/top-k in one
   launch (kernels.router.norm_route);
+- "qkv_epilogue": the q/k RMSNorm, RoPE and K/V store run as the q/k/v projection's epilogue
+  (kernels.gemv.heads_linear: the last program of each head hands it on), which takes the
+  Triton GEMV; without it they are a launch of their own (kernels.fused_ops.qk_norm_rope_store);
 - "attention_merge": the last split of each head merges the splits (kernels.paged_attention);
 - "gemv": the q/k/v and o projections of plain weights on the Triton GEMV, which splits K to
   fill the GPU (quantized weights always take it; plain ones otherwise take cuBLAS, or the GEMV
@@ -27,17 +30,18 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.fused_ops import add_rms_norm
+from kernels.fused_ops import AttentionHeads, add_rms_norm
 from kernels.paged_attention import paged_decode_attention
 from kernels.quant import Weight, format_name
 from kernels.quant_linear import linear
 
 NORM_QKV = "norm_qkv"
+QKV_EPILOGUE = "qkv_epilogue"
 ROUTER = "router"
 ATTENTION_MERGE = "attention_merge"
 GEMV = "gemv"
 PDL = "pdl"
-FUSIONS = (NORM_QKV, ROUTER, ATTENTION_MERGE, GEMV, PDL)
+FUSIONS = (NORM_QKV, QKV_EPILOGUE, ROUTER, ATTENTION_MERGE, GEMV, PDL)
 # Stages of a PDL step that can be left out of the chain: warp decode's pair, the q/k/v and o
 # projections.
 UNLINKABLE = ("moe", "projections")
@@ -140,6 +144,7 @@ class StepOps:
         )
         gemv_rows = rows <= MAX_ROWS
         self.norm_qkv = NORM_QKV in fusions and gemv_rows and kernels.linear is None
+        self.qkv_epilogue = QKV_EPILOGUE in fusions and gemv_rows and kernels.linear is None
         self.router = ROUTER in fusions
         self.attention_merge = (
             ATTENTION_MERGE in fusions and kernels.attention is paged_decode_attention
@@ -168,6 +173,20 @@ class StepOps:
             return norm_linear(x, delta, norm_weight, self.eps, w, bias, pdl=self.pdl_projections)
         x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)
         return x, self.linear(h, w, bias)
+
+    def attention_inputs(self, x, delta, norm_weight, w, bias, heads: AttentionHeads):
+        """(s, q) with s = x + delta: the q/k/v projection of rms_norm(s) * norm_weight, its
+        heads normed, rotated and stored where `heads` says; q [rows, Hq, D]."""
+        if not self.qkv_epilogue:
+            x, qkv = self.norm_linear(x, delta, norm_weight, w, bias)
+            return x, heads.store(qkv, self.pdl)
+        from kernels.gemv import heads_linear
+
+        pdl = self.pdl_projections
+        if self.norm_qkv:
+            return heads_linear(x, w, bias, heads, delta, norm_weight, self.eps, pdl=pdl)
+        x, h = add_rms_norm(x, delta, norm_weight, self.eps, pdl=self.pdl)
+        return x, heads_linear(h, w, bias, heads, pdl=pdl)[1]
 
     def norm_route(self, x, delta, norm_weight, router, top_k: int, norm_topk_prob: bool):
         """(s, h = rms_norm(s) * norm_weight, routing) with s = x + delta; routing is

@@ -245,6 +245,32 @@ def skinny_gemv_compiles(fmt):
             assert ptx.index("griddepcontrol.wait") < ptx.index("st.global")
         if pdl and split_k > 1:
             assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
+    heads_gemv_compiles(fmt)
+
+
+def heads_gemv_compiles(fmt):
+    """The q/k/v GEMV with the attention inputs as its epilogue, in a PDL chain with K split:
+    nothing stored and no arrival counted before the predecessor is done."""
+    w, s = STORED[fmt]
+    pointers = dict(x_ptr="bf16", delta_ptr="bf16", nw_ptr="bf16", sum_ptr="bf16")
+    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", part_ptr="fp32", counters_ptr="i32")
+    pointers.update(qw_ptr="bf16", kw_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16")
+    pointers.update(q_out_ptr="bf16", k_dst_ptr="bf16", v_dst_ptr="bf16", slots_ptr="i64")
+    consts = dict(HAS_BIAS=False, NORM=False, HAS_DELTA=False, BLOCK_N=32, BLOCK_K=128)
+    consts.update(ROWS=16, INTERPRET=False, FORMAT=fmt, PDL=True, SPLIT_K=4)
+    consts.update(SCALE_WEIGHTS=False, HEAD_DIM=128, HALF=64)
+    consts.update(FORMAT_CONSTS[fmt])
+    ptx = compile_for_hopper(
+        gemv._skinny_heads_kernel,
+        pointers,
+        consts,
+        scalars=dict(eps="fp32", head_eps="fp32"),
+        num_warps=4,
+        num_stages=3,
+        launch_pdl=True,
+    )
+    assert ptx.index("griddepcontrol.wait") < ptx.index("st.global")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("atom.global")
 
 
 def qk_norm_rope_store_compiles():
