@@ -10,6 +10,10 @@ program recomputes the norm of the few rows it multiplies (a few KB from L2, aga
 stripe of weights it streams), so the decode step saves the norm's launch. In a PDL chain
 (kernels.pdl) the first weight tile is loaded before the wait for the previous kernel.
 
+`heads_linear` is the q/k/v projection with the attention inputs as its epilogue: the last of
+a head's programs to finish adds the head's partials and runs the q/k RMSNorm, RoPE and K/V
+store of `kernels.fused_ops` on it, so the decode step saves that kernel's launch.
+
 w may be quantized (kernels.quant): FP8 blocks or int4 groups, read as stored and dequantized
 in registers (`quantized_dot`, shared with kernels.fused_moe); activations stay as they are.
 

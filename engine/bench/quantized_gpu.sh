@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU: what the quantized weights are measured by, in one call (results and logs under $OUT):
 #   gputests  the tests that need a GPU (skipped in CI): the PDL chain's attention reads,
-#           flash prefill against the masked path, the one-pass dequantize (Triton compiled, not
-#           interpreted)
+#           flash prefill against the masked path, the one-pass dequantize, the q/k/v GEMV's
+#           epilogue (Triton compiled, not interpreted)
 #   moe     the MoE layer in bf16, FP8 and int4 side by side (quantized warp decode tuned first,
 #           its tables written to kernels/configs/ and copied to $OUT/configs)
 #   projections  the q/k/v, o and lm_head GEMVs in bf16, FP8 and int4 against cuBLAS, their
@@ -54,7 +54,7 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 if has gputests; then
     TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider -k "gpu or pdl_chain" \
         tests/engine/test_decode_graph.py tests/engine/test_prefill_attention.py \
-        tests/kernels/test_dequantize.py 2>&1 \
+        tests/kernels/test_dequantize.py tests/kernels/test_heads_linear.py 2>&1 \
         | tee "$OUT/gputests.log"
 fi
 if has moe; then
@@ -95,7 +95,8 @@ if has decode; then
     done
 fi
 if has variants; then
-    variants=${VARIANTS:-unfused|router|router+pdl|router+pdl+attention_merge|router+pdl+norm_qkv}
+    variants="unfused|router|router+pdl|router+pdl+qkv_epilogue|router+pdl+attention_merge"
+    variants=${VARIANTS:-$variants|router+pdl+norm_qkv}
     for quant in ${VARIANT_FORMATS:-fp8 int4 bf16}; do
         decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
     done
