@@ -74,12 +74,20 @@ def step_format(w_qkv: Weight, w_o: Weight) -> str:
     return "bf16" if tuned else "plain"
 
 
+# A PDL step of up to this many rows also runs the q/k/v projection's epilogue: at one row it
+# measured faster in FP8 and int4 and the same in bf16; at 8 rows FP8 lost 0.3% (BENCHMARKS.md,
+# "The q/k/v GEMV's epilogue").
+QKV_EPILOGUE_MAX_ROWS = 1
+
+
 def default_fusions(weight_format: str, rows: int) -> frozenset[str]:
     """The engine's fusions for a step of `rows` rows over projections in `weight_format`
     (`step_format`)."""
-    if rows <= PDL_MAX_ROWS.get(weight_format, 0):
-        return DEFAULT_FUSIONS | {PDL}
-    return DEFAULT_FUSIONS
+    if rows > PDL_MAX_ROWS.get(weight_format, 0):
+        return DEFAULT_FUSIONS
+    if rows <= QKV_EPILOGUE_MAX_ROWS:
+        return DEFAULT_FUSIONS | {PDL, QKV_EPILOGUE}
+    return DEFAULT_FUSIONS | {PDL}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,9 +198,11 @@ def test_each_fusion_computes_what_the_separate_kernels_do(tiny, fusions):
     + [("bf16", 2, False), ("int4", 1, True), ("int4", 8, False), ("plain", 1, False)],
 )
 def test_the_engines_fusions_follow_the_weight_format_and_rows(weight_format, rows, pdl):
-    """The router's fusion always; the PDL chain where the step measured faster with it."""
+    """The router's fusion always; the PDL chain where the step measured faster with it, and
+    in a chained step of one row the q/k/v projection's epilogue."""
     fusions = default_fusions(weight_format, rows)
-    assert fusions == DEFAULT_FUSIONS | ({"pdl"} if pdl else set())
+    epilogue = {"qkv_epilogue"} if pdl and rows == 1 else set()
+    assert fusions == DEFAULT_FUSIONS | ({"pdl"} if pdl else set()) | epilogue
     ops = StepOps(StepKernels(), rows, 2, 1e-6, "cpu", weight_format)
     assert ops.fusions == fusions and not ops.pdl  # PDL is CUDA's: the CPU runs plain launches
     # Fusions named by hand win.
