@@ -139,13 +139,25 @@ def _accumulate(
 
 
 @triton.jit
-def _stripe_product(
+def _skinny_kernel(
     x_ptr,
     delta_ptr,
     nw_ptr,
     sum_ptr,
     w_ptr,
     s_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    counters_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_dst_ptr,
+    v_dst_ptr,
+    slots_ptr,
     n_rows,
     n_out,
     k_in,
@@ -153,7 +165,14 @@ def _stripe_product(
     stride_xm,
     stride_wn,
     stride_sn,
+    stride_ym,
+    stride_cs,
+    stride_dst_slot,
+    n_q_heads,
+    n_kv_heads,
     eps,
+    head_eps,
+    HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -165,11 +184,17 @@ def _stripe_product(
     SCALE_COLS: tl.constexpr,
     PER_ITEM: tl.constexpr,
     SCALE_WEIGHTS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """This program's fp32 product [ROWS, BLOCK_N]: its stripe of outputs (program_id 0) over
-    its part of K (program_id 1). Waits for the previous link of a PDL chain once its first
-    weight tile is in flight."""
+    """y = x @ w^T for stripe program_id(0) of the outputs over part program_id(1) of K. With
+    HEAD_DIM (`heads_linear`) the outputs are the q/k/v heads and y is not written: every
+    program stores its fp32 partial, and the last of a head's HEAD_DIM // BLOCK_N stripes x
+    SPLIT_K parts to arrive adds the head's partials in a fixed order and hands the head to
+    `kernels.fused_ops.head_norm_rope_store` (q/k RMSNorm, RoPE, the K/V store)."""
+    launch_dependents(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_start = pid_k * k_part  # this program's part of K: [k_start, k_end)
@@ -256,82 +281,22 @@ def _stripe_product(
         acc = _accumulate(
             a, w, s_rows, k0, k_in, acc, FORMAT, SCALE_COLS, BLOCK_K, SCALE_WEIGHTS, INTERPRET
         )
-    return acc
-
-
-@triton.jit
-def _skinny_kernel(
-    x_ptr,
-    delta_ptr,
-    nw_ptr,
-    sum_ptr,
-    w_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    part_ptr,
-    counters_ptr,
-    n_rows,
-    n_out,
-    k_in,
-    k_part,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_ym,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    FORMAT: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    SCALE_COLS: tl.constexpr,
-    PER_ITEM: tl.constexpr,
-    SCALE_WEIGHTS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    launch_dependents(PDL)
-    acc = _stripe_product(
-        x_ptr,
-        delta_ptr,
-        nw_ptr,
-        sum_ptr,
-        w_ptr,
-        s_ptr,
-        n_rows,
-        n_out,
-        k_in,
-        k_part,
-        stride_xm,
-        stride_wn,
-        stride_sn,
-        eps,
-        NORM,
-        HAS_DELTA,
-        BLOCK_N,
-        BLOCK_K,
-        ROWS,
-        INTERPRET,
-        FORMAT,
-        SCALE_ROWS,
-        SCALE_COLS,
-        PER_ITEM,
-        SCALE_WEIGHTS,
-        PDL,
-    )
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS)
-    mask_n = offs_n < n_out
-    mask_y = (offs_m < n_rows)[:, None] & mask_n[None, :]
+    mask_y = mask_m[:, None] & mask_n[None, :]
     offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
-    if SPLIT_K > 1:
+    if HEAD_DIM > 0:
+        tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_y)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        head = pid * BLOCK_N // HEAD_DIM
+        count = tl.atomic_add(counters_ptr + head, 1, sem="acq_rel")
+        if count == SPLIT_K * (HEAD_DIM // BLOCK_N) - 1:
+            _heads_epilogue(
+                part_ptr, b_ptr, x_ptr, head, offs_m, mask_m, n_rows, n_out,
+                qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, slots_ptr,
+                stride_cs, stride_dst_slot, n_q_heads, n_kv_heads, head_eps,
+                HAS_BIAS, ROWS, SPLIT_K, HEAD_DIM, HALF,
+            )  # fmt: skip
+            tl.store(counters_ptr + head, 0)  # ready for the next launch and every graph replay
+    elif SPLIT_K > 1:
         tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_y)
         tl.debug_barrier()  # every thread's partial stored before the count says so
         count = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel")
@@ -351,16 +316,15 @@ def _skinny_kernel(
 
 
 @triton.jit
-def _skinny_heads_kernel(
-    x_ptr,
-    delta_ptr,
-    nw_ptr,
-    sum_ptr,
-    w_ptr,
-    s_ptr,
-    b_ptr,
+def _heads_epilogue(
     part_ptr,
-    counters_ptr,
+    b_ptr,
+    x_ptr,
+    head,
+    offs_m,
+    mask_m,
+    n_rows,
+    n_out,
     qw_ptr,
     kw_ptr,
     cos_ptr,
@@ -369,117 +333,54 @@ def _skinny_heads_kernel(
     k_dst_ptr,
     v_dst_ptr,
     slots_ptr,
-    n_rows,
-    n_out,
-    k_in,
-    k_part,
-    stride_xm,
-    stride_wn,
-    stride_sn,
     stride_cs,
     stride_dst_slot,
     n_q_heads,
     n_kv_heads,
     eps,
-    head_eps,
     HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    FORMAT: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    SCALE_COLS: tl.constexpr,
-    PER_ITEM: tl.constexpr,
-    SCALE_WEIGHTS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """The q/k/v projection with the attention inputs as its epilogue: every program stores its
-    fp32 partial, and the last of a head's HEAD_DIM // BLOCK_N stripes x SPLIT_K parts to
-    arrive adds the head's partials in a fixed order and hands the head to
-    `kernels.fused_ops.head_norm_rope_store` (q/k RMSNorm, RoPE, the K/V store)."""
-    launch_dependents(PDL)
-    acc = _stripe_product(
-        x_ptr,
-        delta_ptr,
-        nw_ptr,
-        sum_ptr,
-        w_ptr,
-        s_ptr,
-        n_rows,
-        n_out,
-        k_in,
-        k_part,
-        stride_xm,
-        stride_wn,
-        stride_sn,
+    """Head `head` of the q/k/v projection from its SPLIT_K fp32 partials, rounded as the
+    projection's output is, normed, rotated and stored (kernels.fused_ops)."""
+    d = tl.arange(0, HALF)
+    offs_lo = offs_m[:, None] * n_out + head * HEAD_DIM + d[None, :]
+    lo = tl.zeros([ROWS, HALF], dtype=tl.float32)
+    hi = tl.zeros([ROWS, HALF], dtype=tl.float32)
+    for part in range(SPLIT_K):  # in order, whichever part came last
+        part_lo = part_ptr + part * n_rows * n_out + offs_lo
+        # .cg: from L2, other SMs wrote them
+        lo += tl.load(part_lo, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+        hi += tl.load(part_lo + HALF, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        lo += tl.load(b_ptr + head * HEAD_DIM + d).to(tl.float32)[None, :]
+        hi += tl.load(b_ptr + head * HEAD_DIM + HALF + d).to(tl.float32)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    head_norm_rope_store(
+        lo.to(dtype).to(tl.float32),
+        hi.to(dtype).to(tl.float32),
+        head,
+        offs_m.to(tl.int64),
+        mask_m,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_dst_ptr,
+        v_dst_ptr,
+        slots_ptr,
+        stride_cs,
+        stride_dst_slot,
+        n_q_heads,
+        n_kv_heads,
         eps,
-        NORM,
-        HAS_DELTA,
-        BLOCK_N,
-        BLOCK_K,
-        ROWS,
-        INTERPRET,
-        FORMAT,
-        SCALE_ROWS,
-        SCALE_COLS,
-        PER_ITEM,
-        SCALE_WEIGHTS,
-        PDL,
+        HEAD_DIM,
+        HALF,
     )
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS)
-    mask_m = offs_m < n_rows
-    offs_y = offs_m[:, None] * n_out + offs_n[None, :]  # of a partial [n_rows, n_out]
-    tl.store(part_ptr + pid_k * n_rows * n_out + offs_y, acc, mask=mask_m[:, None])
-    tl.debug_barrier()  # every thread's partial stored before the count says so
-    head = pid * BLOCK_N // HEAD_DIM
-    count = tl.atomic_add(counters_ptr + head, 1, sem="acq_rel")
-    if count == SPLIT_K * (HEAD_DIM // BLOCK_N) - 1:
-        d = tl.arange(0, HALF)
-        offs_lo = offs_m[:, None] * n_out + head * HEAD_DIM + d[None, :]
-        lo = tl.zeros([ROWS, HALF], dtype=tl.float32)
-        hi = tl.zeros([ROWS, HALF], dtype=tl.float32)
-        for part in range(SPLIT_K):  # in order, whichever part came last
-            part_lo = part_ptr + part * n_rows * n_out + offs_lo
-            # .cg: from L2, other SMs wrote them
-            lo += tl.load(part_lo, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            hi += tl.load(part_lo + HALF, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            lo += tl.load(b_ptr + head * HEAD_DIM + d).to(tl.float32)[None, :]
-            hi += tl.load(b_ptr + head * HEAD_DIM + HALF + d).to(tl.float32)[None, :]
-        # Rounded as the projection's output is before the separate kernel reads it.
-        dtype = x_ptr.dtype.element_ty
-        head_norm_rope_store(
-            lo.to(dtype).to(tl.float32),
-            hi.to(dtype).to(tl.float32),
-            head,
-            offs_m.to(tl.int64),
-            mask_m,
-            qw_ptr,
-            kw_ptr,
-            cos_ptr,
-            sin_ptr,
-            q_out_ptr,
-            k_dst_ptr,
-            v_dst_ptr,
-            slots_ptr,
-            stride_cs,
-            stride_dst_slot,
-            n_q_heads,
-            n_kv_heads,
-            head_eps,
-            HEAD_DIM,
-            HALF,
-        )
-        tl.store(counters_ptr + head, 0)  # ready for the next launch and every graph replay
 
 
 @triton.jit
@@ -644,8 +545,8 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
     kw = kernel_weight(w)
     tiles = tiles.over(tuned_tiles(format_name(w), n_out, k_in, n_rows))
     block_n = tiles.block_n
+    head_dim = heads.head_dim if heads is not None else 0  # 0: a plain output
     if heads is not None:  # a stripe within one head (both powers of two)
-        head_dim = heads.head_dim
         assert n_out == (heads.n_q_heads + 2 * heads.n_kv_heads) * head_dim
         assert next_pow2(head_dim) == head_dim and heads.slots.shape[0] >= n_rows
         assert heads.key_dst.stride(1) == head_dim
@@ -698,45 +599,22 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
         kw.scale,
         bias if bias is not None else kw.stored,
     )
-    if heads is not None:
-        q = torch.empty(n_rows, heads.n_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    if heads is None:
+        y = out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
+        head_ptrs, head_ints, head_eps = (x,) * 8, (0, 0, 0, 0), 0.0  # placeholders, unused
+    else:  # y unwritten: a placeholder
+        y, out = x, torch.empty(n_rows, heads.n_q_heads, head_dim, dtype=x.dtype, device=x.device)
         cos, sin = heads.cos.contiguous(), heads.sin.contiguous()
-        _skinny_heads_kernel[(n_stripes, split_k)](
-            *inputs,
-            partials,
-            counters,
-            heads.q_norm,
-            heads.k_norm,
-            cos,
-            sin,
-            q,
-            heads.key_dst,
-            heads.value_dst,
-            heads.slots,
-            n_rows,
-            n_out,
-            k_in,
-            k_part,
-            x.stride(0),
-            kw.stored.stride(0),
-            kw.scale.stride(0),
-            cos.stride(0),
-            heads.key_dst.stride(0),
-            heads.n_q_heads,
-            heads.n_kv_heads,
-            eps,
-            heads.eps,
-            HEAD_DIM=head_dim,
-            HALF=head_dim // 2,
-            **common,
-        )
-        return total, q
-    y = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
+        head_ptrs = (heads.q_norm, heads.k_norm, cos, sin, out, heads.key_dst, heads.value_dst)
+        head_ptrs += (heads.slots,)
+        head_ints = (cos.stride(0), heads.key_dst.stride(0), heads.n_q_heads, heads.n_kv_heads)
+        head_eps = heads.eps
     _skinny_kernel[(n_stripes, split_k)](
         *inputs,
         y,
         partials,
         counters,
+        *head_ptrs,
         n_rows,
         n_out,
         k_in,
@@ -745,7 +623,11 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
         kw.stored.stride(0),
         kw.scale.stride(0),
         y.stride(0),
+        *head_ints,
         eps,
+        head_eps,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
         **common,
     )
-    return total, y
+    return total, out

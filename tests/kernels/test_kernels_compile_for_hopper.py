@@ -228,13 +228,13 @@ def skinny_gemv_compiles(fmt):
     for norm, pdl, split_k, scale_weights in cases:
         consts = dict(HAS_BIAS=False, NORM=norm, HAS_DELTA=norm, BLOCK_N=16, BLOCK_K=128)
         consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl, SPLIT_K=split_k)
-        consts.update(SCALE_WEIGHTS=scale_weights)
+        consts.update(SCALE_WEIGHTS=scale_weights, HEAD_DIM=0, HALF=0)
         consts.update(FORMAT_CONSTS[fmt])
         ptx = compile_for_hopper(
             gemv._skinny_kernel,
             pointers,
             consts,
-            scalars=dict(eps="fp32"),
+            scalars=dict(eps="fp32", head_eps="fp32"),
             num_warps=4,
             num_stages=3,
             launch_pdl=pdl,
@@ -253,15 +253,16 @@ def heads_gemv_compiles(fmt):
     nothing stored and no arrival counted before the predecessor is done."""
     w, s = STORED[fmt]
     pointers = dict(x_ptr="bf16", delta_ptr="bf16", nw_ptr="bf16", sum_ptr="bf16")
-    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", part_ptr="fp32", counters_ptr="i32")
-    pointers.update(qw_ptr="bf16", kw_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16")
+    pointers.update(w_ptr=w, s_ptr=s, b_ptr="bf16", y_ptr="bf16", part_ptr="fp32")
+    pointers.update(counters_ptr="i32", qw_ptr="bf16", kw_ptr="bf16", cos_ptr="bf16")
+    pointers.update(sin_ptr="bf16")
     pointers.update(q_out_ptr="bf16", k_dst_ptr="bf16", v_dst_ptr="bf16", slots_ptr="i64")
     consts = dict(HAS_BIAS=False, NORM=False, HAS_DELTA=False, BLOCK_N=32, BLOCK_K=128)
     consts.update(ROWS=16, INTERPRET=False, FORMAT=fmt, PDL=True, SPLIT_K=4)
     consts.update(SCALE_WEIGHTS=False, HEAD_DIM=128, HALF=64)
     consts.update(FORMAT_CONSTS[fmt])
     ptx = compile_for_hopper(
-        gemv._skinny_heads_kernel,
+        gemv._skinny_kernel,
         pointers,
         consts,
         scalars=dict(eps="fp32", head_eps="fp32"),
