@@ -42,6 +42,9 @@ from kernels.quant_tiles import k_step, quantized_dot, scale_weights
 from kernels.triton_env import interpreting, next_pow2
 
 MAX_ROWS = 32
+# The norm prologue reads a row in steps of up to this many values (a whole hidden row of the
+# models served: one trip to L2 before the first dot).
+MAX_NORM_BLOCK = 4096
 
 
 @triton.jit
@@ -50,31 +53,38 @@ def _row_inverse_rms(
     delta_ptr,
     sum_ptr,
     offs_m,
-    mask_m,
+    n_rows,
     k_in,
     stride_xm,
     eps,
     STORE_SUM,
     HAS_DELTA: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """1 / rms of each row of s = x + delta (rounded to x's dtype, as torch's add is); the
-    program that owns the first output stripe also stores s."""
-    offs_k = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        mask = mask_m[:, None] & (k0 + offs_k < k_in)[None, :]
-        offs = offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
-        s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_DELTA:
-            s += tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            s = s.to(x_ptr.dtype.element_ty)
-            if STORE_SUM:
-                tl.store(sum_ptr + offs, s, mask=mask)
-            s = s.to(tl.float32)
-        squares += s * s
-    return tl.rsqrt(tl.sum(squares, axis=1) / k_in + eps)
+    program that owns the first output stripe also stores s. Every program waits for this
+    before its first dot, so a row is read in one step of NORM_BLOCK (the whole row: one trip
+    to L2, not one per K step), and row by row: the dot pads the rows to ROWS, which the
+    statistics need not carry."""
+    offs_k = tl.arange(0, NORM_BLOCK)
+    inv_rms = tl.zeros([ROWS], dtype=tl.float32)
+    for row in range(0, n_rows):
+        squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for k0 in range(0, k_in, NORM_BLOCK):
+            mask = k0 + offs_k < k_in
+            offs = row * stride_xm + k0 + offs_k
+            s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DELTA:
+                s += tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                s = s.to(x_ptr.dtype.element_ty)
+                if STORE_SUM:
+                    tl.store(sum_ptr + offs, s, mask=mask)
+                s = s.to(tl.float32)
+            squares += s * s
+        row_inv = tl.rsqrt(tl.sum(squares, axis=0) / k_in + eps)
+        inv_rms = tl.where(offs_m == row, row_inv, inv_rms)
+    return inv_rms
 
 
 @triton.jit
@@ -185,6 +195,7 @@ def _skinny_kernel(
     PER_ITEM: tl.constexpr,
     SCALE_WEIGHTS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     PDL: tl.constexpr,
@@ -222,13 +233,13 @@ def _skinny_kernel(
             delta_ptr,
             sum_ptr,
             offs_m,
-            mask_m,
+            n_rows,
             k_in,
             stride_xm,
             eps,
             (pid == 0) & (pid_k == 0),
             HAS_DELTA,
-            BLOCK_K,
+            NORM_BLOCK,
             ROWS,
         )
     a = _activations(
@@ -585,6 +596,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
         PER_ITEM=kw.per_item,
         SCALE_WEIGHTS=scale_weights(kw, tiles.scale_weights),
         SPLIT_K=split_k,
+        NORM_BLOCK=min(next_pow2(k_in), MAX_NORM_BLOCK) if norm else 1,
         PDL=chained,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -228,7 +228,7 @@ def skinny_gemv_compiles(fmt):
     for norm, pdl, split_k, scale_weights in cases:
         consts = dict(HAS_BIAS=False, NORM=norm, HAS_DELTA=norm, BLOCK_N=16, BLOCK_K=128)
         consts.update(ROWS=gemv.MAX_ROWS, INTERPRET=False, FORMAT=fmt, PDL=pdl, SPLIT_K=split_k)
-        consts.update(SCALE_WEIGHTS=scale_weights, HEAD_DIM=0, HALF=0)
+        consts.update(SCALE_WEIGHTS=scale_weights, HEAD_DIM=0, HALF=0, NORM_BLOCK=2048)
         consts.update(FORMAT_CONSTS[fmt])
         ptx = compile_for_hopper(
             gemv._skinny_kernel,
@@ -259,7 +259,7 @@ def heads_gemv_compiles(fmt):
     pointers.update(q_out_ptr="bf16", k_dst_ptr="bf16", v_dst_ptr="bf16", slots_ptr="i64")
     consts = dict(HAS_BIAS=False, NORM=False, HAS_DELTA=False, BLOCK_N=32, BLOCK_K=128)
     consts.update(ROWS=16, INTERPRET=False, FORMAT=fmt, PDL=True, SPLIT_K=4)
-    consts.update(SCALE_WEIGHTS=False, HEAD_DIM=128, HALF=64)
+    consts.update(SCALE_WEIGHTS=False, HEAD_DIM=128, HALF=64, NORM_BLOCK=1)
     consts.update(FORMAT_CONSTS[fmt])
     ptx = compile_for_hopper(
         gemv._skinny_kernel,
