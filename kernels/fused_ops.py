@@ -196,7 +196,7 @@ def _qk_norm_rope_store_kernel(
         hi,
         head,
         tokens,
-        tokens >= 0,
+        tokens >= 0,  # every token of the one-token tile is real
         qw_ptr,
         kw_ptr,
         cos_ptr,

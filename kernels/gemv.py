@@ -64,9 +64,9 @@ def _row_inverse_rms(
 ):
     """1 / rms of each row of s = x + delta (rounded to x's dtype, as torch's add is); the
     program that owns the first output stripe also stores s. Every program waits for this
-    before its first dot, so a row is read in one step of NORM_BLOCK (the whole row: one trip
-    to L2, not one per K step), and row by row: the dot pads the rows to ROWS, which the
-    statistics need not carry."""
+    before its first dot, so a row is read in steps of NORM_BLOCK (a whole row up to
+    MAX_NORM_BLOCK: one trip to L2, not one per K step), and row by row: the dot pads the rows
+    to ROWS, which the statistics need not carry."""
     offs_k = tl.arange(0, NORM_BLOCK)
     inv_rms = tl.zeros([ROWS], dtype=tl.float32)
     for row in range(0, n_rows):
@@ -355,8 +355,9 @@ def _heads_epilogue(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """Head `head` of the q/k/v projection from its SPLIT_K fp32 partials, rounded as the
-    projection's output is, normed, rotated and stored (kernels.fused_ops)."""
+    """Head `head` of the q/k/v projection from its SPLIT_K fp32 partials, rounded to the
+    activations' dtype (x_ptr's) as the projection's output is, normed, rotated and stored
+    (kernels.fused_ops)."""
     d = tl.arange(0, HALF)
     offs_lo = offs_m[:, None] * n_out + head * HEAD_DIM + d[None, :]
     lo = tl.zeros([ROWS, HALF], dtype=tl.float32)
@@ -534,7 +535,8 @@ def beats_library(n_out: int, k_in: int, rows: int) -> bool:
 # Enough programs to keep every SM streaming: a few per SM (BENCHMARKS.md, "Splitting K in the
 # skinny GEMV": the default tile with this split, against the same tile unsplit and the sweep).
 PROGRAMS_PER_SM = 4
-# The split-K arrival counters, one per output stripe (the last part resets its stripe's).
+# The arrival counters, one per output stripe of a split K, or per head with the heads epilogue
+# (the last arrival resets its own).
 COUNTERS_USER = "gemv split-K"
 
 
@@ -557,15 +559,20 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
     tiles = tiles.over(tuned_tiles(format_name(w), n_out, k_in, n_rows))
     block_n = tiles.block_n
     head_dim = heads.head_dim if heads is not None else 0  # 0: a plain output
-    if heads is not None:  # a stripe within one head (both powers of two)
+    if heads is not None:
         assert n_out == (heads.n_q_heads + 2 * heads.n_kv_heads) * head_dim
         assert next_pow2(head_dim) == head_dim and heads.slots.shape[0] >= n_rows
-        assert heads.key_dst.stride(1) == head_dim
+        assert heads.key_dst.shape[1:] == (heads.n_kv_heads, head_dim)
+        assert heads.key_dst.stride()[1:] == (head_dim, 1)
         assert heads.key_dst.stride() == heads.value_dst.stride()
-        block_n = min(block_n, head_dim)
+        assert heads.cos.shape[0] >= n_rows and heads.cos.shape[-1] == head_dim
     block_k = k_step(tiles.block_k, kw)
-    n_stripes, k_steps = triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k)
-    split_k = tiles.split_k or default_split_k(n_stripes, k_steps, x.device)
+    k_steps = triton.cdiv(k_in, block_k)
+    # K is split as the plain GEMV of these tiles splits it, so both sum alike.
+    split_k = tiles.split_k or default_split_k(triton.cdiv(n_out, block_n), k_steps, x.device)
+    if heads is not None:  # a stripe within one head (both powers of two)
+        block_n = min(block_n, head_dim)
+    n_stripes = triton.cdiv(n_out, block_n)
     k_part = triton.cdiv(k_steps, max(1, min(split_k, k_steps))) * block_k
     split_k = triton.cdiv(k_in, k_part)  # no empty part
     if split_k > 1 or heads is not None:
@@ -614,7 +621,7 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
     if heads is None:
         y = out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
         head_ptrs, head_ints, head_eps = (x,) * 8, (0, 0, 0, 0), 0.0  # placeholders, unused
-    else:  # y unwritten: a placeholder
+    else:  # y (and its stride) unused: a placeholder
         y, out = x, torch.empty(n_rows, heads.n_q_heads, head_dim, dtype=x.dtype, device=x.device)
         cos, sin = heads.cos.contiguous(), heads.sin.contiguous()
         head_ptrs = (heads.q_norm, heads.k_norm, cos, sin, out, heads.key_dst, heads.value_dst)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from quantized_layers import poison_torch_empty, quantize
 
+from kernels import gemv
 from kernels import reference as ref
 from kernels.counters import counters_of
-from kernels.fused_ops import AttentionHeads
+from kernels.fused_ops import AttentionHeads, add_rms_norm
 from kernels.gemv import COUNTERS_USER, heads_linear, norm_linear, skinny_linear
 
 HEAD_DIM, N_Q, N_KV, HIDDEN, SLOTS = 32, 4, 2, 96, 40
@@ -127,9 +128,9 @@ def test_the_epilogue_equals_the_gemv_then_the_heads_kernel(
     assert not counters_of(x.device, COUNTERS_USER).any()
 
 
-def test_an_fp8_pool_scratch_takes_the_epilogues_keys():
-    """Destinations in another dtype than the activations (a scratch or pool of fp32) take the
-    same values the separate kernel stores there."""
+def test_destinations_of_another_dtype_take_what_the_separate_kernel_stores():
+    """K/V destinations in another dtype than the activations (fp32 here) take the same values
+    the separate kernel stores there."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, HIDDEN, generator=g).bfloat16()
     w = _weight("bf16", g)
@@ -141,11 +142,37 @@ def test_an_fp8_pool_scratch_takes_the_epilogues_keys():
     assert torch.equal(fused_heads.value_dst, heads.value_dst)
 
 
+def test_the_norm_prologue_reads_a_long_row_in_steps(monkeypatch):
+    """Rows longer than MAX_NORM_BLOCK: the statistics in several steps, the sum stored whole,
+    the epilogue's q and K/V the same as the separate launches'."""
+    poison_torch_empty(monkeypatch)
+    monkeypatch.setattr(gemv, "MAX_NORM_BLOCK", 32)  # HIDDEN = 96: three steps
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(3, HIDDEN, generator=g)).bfloat16()
+    delta = torch.randn(3, HIDDEN, generator=g).bfloat16()
+    norm_w = (1 + 0.3 * torch.randn(HIDDEN, generator=g)).bfloat16()
+    w = _weight("bf16", g)
+    heads = _heads(3, torch.bfloat16, seed=4)
+    fused_heads = _copy(heads)
+    tiles = dict(block_n=32, block_k=32, split_k=2)
+    total, qkv = norm_linear(x, delta, norm_w, 1e-6, w, **tiles)
+    ref_total, h = add_rms_norm(x, delta, norm_w, 1e-6)
+    assert torch.equal(total, ref_total)
+    expected = h.double() @ w.double().T
+    assert ((qkv.double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
+    _, q = heads_linear(x, w, None, fused_heads, delta, norm_w, 1e-6, **tiles)
+    assert torch.equal(q, heads.store(qkv))
+    assert torch.equal(fused_heads.key_dst, heads.key_dst)
+    assert torch.equal(fused_heads.value_dst, heads.value_dst)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_the_epilogue_on_the_gpu_equals_the_separate_launches(fmt, rows):
-    """Compiled at the 30B-A3B attention shape with the tuned tiles: the same bits as the GEMV
+@pytest.mark.parametrize("norm", [False, True])
+def test_the_epilogue_on_the_gpu_equals_the_separate_launches(fmt, rows, norm):
+    """Compiled at the 30B-A3B attention shape with the tuned tiles, programs arriving in any
+    order: the same bits as the GEMV (with the add + RMSNorm prologue and a bias, or without)
     followed by the heads kernel, three launches in a row (the counters reset each time)."""
     from kernels.quant import to
 
@@ -172,11 +199,22 @@ def test_the_epilogue_on_the_gpu_equals_the_separate_launches(fmt, rows):
             eps=1e-6,
         )
 
+    if norm:
+        delta = torch.randn(rows, hidden, generator=g).bfloat16().cuda()
+        norm_w = (1 + 0.3 * torch.randn(hidden, generator=g)).bfloat16().cuda()
+        bias = torch.randn(w.shape[0], generator=g).bfloat16().cuda()
+        prologue = (delta, norm_w, 1e-6)
+        expected_total, qkv = norm_linear(x, delta, norm_w, 1e-6, w, bias)
+    else:
+        bias, prologue = None, ()
+        qkv = skinny_linear(x, w)
     separate = heads()
-    expected_q = separate.store(skinny_linear(x, w))
+    expected_q = separate.store(qkv)
     for _ in range(3):
         fused = heads()
-        _, q = heads_linear(x, w, None, fused)
+        total, q = heads_linear(x, w, bias, fused, *prologue)
+        if norm:
+            assert torch.equal(total, expected_total)
         assert torch.equal(q, expected_q)
         assert torch.equal(fused.key_dst, separate.key_dst)
         assert torch.equal(fused.value_dst, separate.value_dst)
