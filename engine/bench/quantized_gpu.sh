@@ -96,7 +96,7 @@ if has decode; then
 fi
 if has variants; then
     variants="unfused|router|router+pdl|router+pdl+qkv_epilogue|router+pdl+attention_merge"
-    variants=${VARIANTS:-$variants|router+pdl+norm_qkv}
+    variants=${VARIANTS:-$variants|router+pdl+qkv_epilogue+norm_qkv}
     for quant in ${VARIANT_FORMATS:-fp8 int4 bf16}; do
         decode_bench variants "$quant" --prefill 0 --stages check,variants --variants "$variants"
     done
