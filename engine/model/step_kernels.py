@@ -55,6 +55,10 @@ DEFAULT_FUSIONS: frozenset[str] = frozenset({ROUTER})
 # projections' GEMV loses to cuBLAS); int4 at 1 since warp decode's int4 tiles were tuned
 # ("The tuned quantized tables in the step").
 PDL_MAX_ROWS = {"fp8": 8, "bf16": 1, "int4": 1}
+# A PDL step of up to this many rows also runs the q/k/v projection's epilogue: at one row it
+# measured faster in FP8 and int4 and the same in bf16; at 8 rows FP8 lost 0.3% (BENCHMARKS.md,
+# "The q/k/v GEMV's epilogue").
+QKV_EPILOGUE_MAX_ROWS = 1
 # The fused router's experts a program in a step of one row: one (a warp, whose top-k is
 # shuffles only) measured faster there than kernels.router's default of eight (BENCHMARKS.md,
 # "The tuned quantized tables in the step"); other row counts are untimed and keep the default.
@@ -72,12 +76,6 @@ def step_format(w_qkv: Weight, w_o: Weight) -> str:
 
     tuned = all(w.dtype == torch.bfloat16 and is_tuned("bf16", *w.shape) for w in (w_qkv, w_o))
     return "bf16" if tuned else "plain"
-
-
-# A PDL step of up to this many rows also runs the q/k/v projection's epilogue: at one row it
-# measured faster in FP8 and int4 and the same in bf16; at 8 rows FP8 lost 0.3% (BENCHMARKS.md,
-# "The q/k/v GEMV's epilogue").
-QKV_EPILOGUE_MAX_ROWS = 1
 
 
 def default_fusions(weight_format: str, rows: int) -> frozenset[str]:
