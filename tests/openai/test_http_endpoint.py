@@ -3,6 +3,7 @@ against a real `wd-engine serve --http-port` process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -181,13 +182,22 @@ async def test_client_disconnect_cancels_the_engine_request(http_engine):
     stats = await http_engine.wait_idle()
     assert stats["running"] == 0 and stats["cancelled"] == before + 1
 
+    # Not streamed: the client gives up waiting once the engine runs the request (a fixed
+    # client timeout would race the engine, which on a fast machine finishes first).
     before = stats["cancelled"]
-    async with httpx.AsyncClient(timeout=0.3) as http:  # not streamed: the client gives up waiting
-        with pytest.raises(httpx.TimeoutException):
-            await http.post(
+    async with httpx.AsyncClient(timeout=30) as http:
+        post = asyncio.create_task(
+            http.post(
                 f"{http_engine.base_url}/completions",
                 json=dict(body, stream=False),
                 headers=headers,
             )
+        )
+        while (await http_engine.stats())["running"] == 0 and not post.done():
+            await asyncio.sleep(0.005)
+        assert not post.done(), "the request ended before the client could give up on it"
+        post.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await post
     stats = await http_engine.wait_idle()
     assert stats["running"] == 0 and stats["cancelled"] == before + 1
