@@ -4,7 +4,7 @@ At batch 1 a decode step is launch-bound: the torch reference spends ~20 tiny ke
 on residual adds, RMSNorms, q/k norms, RoPE and the KV write. Two kernels replace them:
 
 - `add_rms_norm`: residual add, then RMSNorm of the sum (one read of each input, two writes);
-- `qk_norm_rope_store`: per-head RMSNorm of q and k, RoPE, and the store of k and v into the
+- `AttentionHeads.store`: per-head RMSNorm of q and k, RoPE, and the store of k and v into the
   KV pool's slots, straight from the fused qkv projection (`AttentionHeads` says where they go;
   kernels.gemv.heads_linear runs the same as the projection's epilogue).
 
@@ -115,7 +115,7 @@ def head_norm_rope_store(
     """One head of the fused q/k/v projection for the tokens at `tokens` [R] (those with
     `token_ok`): its halves lo, hi [R, HALF] (fp32 of values in the activation dtype) normed
     and rotated into q_out (q heads), normed, rotated and stored at each token's slot (k heads),
-    or stored there as they are (v heads). Shared by `qk_norm_rope_store` and the q/k/v GEMV's
+    or stored there as they are (v heads). Shared by `AttentionHeads.store` and the q/k/v GEMV's
     epilogue (kernels.gemv.heads_linear), which must round alike."""
     d = tl.arange(0, HALF)
     ok = token_ok[:, None]
@@ -215,58 +215,6 @@ def _qk_norm_rope_store_kernel(
     )
 
 
-def qk_norm_rope_store(
-    qkv: torch.Tensor,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    key_dst: torch.Tensor,
-    value_dst: torch.Tensor,
-    slots: torch.Tensor,
-    n_q_heads: int,
-    n_kv_heads: int,
-    eps: float,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """Attention inputs of T decode tokens from their fused projection, in one launch.
-
-    qkv [T, (Hq + 2*Hkv) * D]; q_norm, k_norm [D]; cos, sin [T, D] (rotate-half tables in the
-    activation dtype); key_dst, value_dst [slots, Hkv, D] (the KV pool's layer, or a scratch);
-    slots [T] where each token's k and v go. Returns q [T, Hq, D], normed and rotated.
-    `pdl`: launched as a link of a PDL chain (kernels.pdl).
-    """
-    tokens = qkv.shape[0]
-    head_dim = q_norm.shape[0]
-    assert head_dim % 2 == 0 and next_pow2(head_dim) == head_dim, "head_dim must be a power of two"
-    assert key_dst.stride(1) == head_dim and key_dst.stride() == value_dst.stride()
-    q = torch.empty(tokens, n_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    _qk_norm_rope_store_kernel[(tokens, n_q_heads + 2 * n_kv_heads)](
-        qkv,
-        q_norm,
-        k_norm,
-        cos,
-        sin,
-        q,
-        key_dst,
-        value_dst,
-        slots,
-        qkv.stride(0),
-        cos.stride(0),
-        key_dst.stride(0),
-        n_q_heads,
-        n_kv_heads,
-        eps,
-        HEAD_DIM=head_dim,
-        HALF=head_dim // 2,
-        PDL=pdl and pdl_supported(qkv.device),
-        num_warps=1,
-        **launch_options(pdl and pdl_supported(qkv.device)),
-    )
-    return q
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionHeads:
     """Where the heads of T decode tokens' fused q/k/v projection go: q normed by q_norm [D]
@@ -289,19 +237,42 @@ class AttentionHeads:
     def head_dim(self) -> int:
         return self.q_norm.shape[0]
 
+    def kernel_args(self, qkv_shape, dtype) -> tuple[torch.Tensor, tuple, tuple]:
+        """(q, pointers, scalars) for a kernel that runs `head_norm_rope_store` on a projection
+        of `qkv_shape` [T, (Hq + 2*Hkv) * D]: the new q [T, Hq, D] in `dtype`, then the
+        pointers (q_norm, k_norm, cos, sin, q, key_dst, value_dst, slots) and the scalars
+        (cos's row stride, the destinations' slot stride, Hq, Hkv) in the kernels' order."""
+        tokens, width = qkv_shape
+        head_dim = self.head_dim
+        assert next_pow2(head_dim) == head_dim and head_dim >= 2, "head_dim: a power of two"
+        assert width == (self.n_q_heads + 2 * self.n_kv_heads) * head_dim
+        assert self.slots.shape[0] >= tokens
+        assert self.cos.shape[0] >= tokens and self.cos.shape[-1] == head_dim
+        assert self.key_dst.shape[1:] == (self.n_kv_heads, head_dim)
+        assert self.key_dst.stride()[1:] == (head_dim, 1)
+        assert self.key_dst.stride() == self.value_dst.stride()
+        q = torch.empty(tokens, self.n_q_heads, head_dim, dtype=dtype, device=self.q_norm.device)
+        cos, sin = self.cos.contiguous(), self.sin.contiguous()
+        pointers = (self.q_norm, self.k_norm, cos, sin, q, self.key_dst, self.value_dst)
+        pointers += (self.slots,)
+        scalars = (cos.stride(0), self.key_dst.stride(0), self.n_q_heads, self.n_kv_heads)
+        return q, pointers, scalars
+
     def store(self, qkv: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """q from the projection qkv [T, (Hq + 2*Hkv) * D], k and v stored (one launch)."""
-        return qk_norm_rope_store(
+        """q [T, Hq, D] from the projection qkv [T, (Hq + 2*Hkv) * D], normed and rotated, with
+        k and v stored, in one launch. `pdl`: a link of a PDL chain (kernels.pdl)."""
+        q, pointers, scalars = self.kernel_args(qkv.shape, qkv.dtype)
+        pdl = pdl and pdl_supported(qkv.device)
+        _qk_norm_rope_store_kernel[(qkv.shape[0], self.n_q_heads + 2 * self.n_kv_heads)](
             qkv,
-            self.q_norm,
-            self.k_norm,
-            self.cos,
-            self.sin,
-            self.key_dst,
-            self.value_dst,
-            self.slots,
-            self.n_q_heads,
-            self.n_kv_heads,
+            *pointers,
+            qkv.stride(0),
+            *scalars,
             self.eps,
-            pdl,
+            HEAD_DIM=self.head_dim,
+            HALF=self.head_dim // 2,
+            PDL=pdl,
+            num_warps=1,
+            **launch_options(pdl),
         )
+        return q

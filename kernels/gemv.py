@@ -300,11 +300,14 @@ def _skinny_kernel(
         head = pid * BLOCK_N // HEAD_DIM
         count = tl.atomic_add(counters_ptr + head, 1, sem="acq_rel")
         if count == SPLIT_K * (HEAD_DIM // BLOCK_N) - 1:
-            _heads_epilogue(
-                part_ptr, b_ptr, x_ptr, head, offs_m, mask_m, n_rows, n_out,
-                qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, slots_ptr,
-                stride_cs, stride_dst_slot, n_q_heads, n_kv_heads, head_eps,
+            lo, hi = _head_from_partials(
+                part_ptr, b_ptr, head, offs_m, mask_m, n_rows, n_out, x_ptr.dtype.element_ty,
                 HAS_BIAS, ROWS, SPLIT_K, HEAD_DIM, HALF,
+            )  # fmt: skip
+            head_norm_rope_store(
+                lo, hi, head, offs_m.to(tl.int64), mask_m,
+                qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_dst_ptr, v_dst_ptr, slots_ptr,
+                stride_cs, stride_dst_slot, n_q_heads, n_kv_heads, head_eps, HEAD_DIM, HALF,
             )  # fmt: skip
             tl.store(counters_ptr + head, 0)  # ready for the next launch and every graph replay
     elif SPLIT_K > 1:
@@ -327,37 +330,23 @@ def _skinny_kernel(
 
 
 @triton.jit
-def _heads_epilogue(
+def _head_from_partials(
     part_ptr,
     b_ptr,
-    x_ptr,
     head,
     offs_m,
     mask_m,
     n_rows,
     n_out,
-    qw_ptr,
-    kw_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_out_ptr,
-    k_dst_ptr,
-    v_dst_ptr,
-    slots_ptr,
-    stride_cs,
-    stride_dst_slot,
-    n_q_heads,
-    n_kv_heads,
-    eps,
+    dtype: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """Head `head` of the q/k/v projection from its SPLIT_K fp32 partials, rounded to the
-    activations' dtype (x_ptr's) as the projection's output is, normed, rotated and stored
-    (kernels.fused_ops)."""
+    """Head `head` of the q/k/v projection as halves lo, hi [ROWS, HALF]: its SPLIT_K fp32
+    partials added in order, the bias, rounded to `dtype` as the projection's output is."""
     d = tl.arange(0, HALF)
     offs_lo = offs_m[:, None] * n_out + head * HEAD_DIM + d[None, :]
     lo = tl.zeros([ROWS, HALF], dtype=tl.float32)
@@ -370,29 +359,7 @@ def _heads_epilogue(
     if HAS_BIAS:
         lo += tl.load(b_ptr + head * HEAD_DIM + d).to(tl.float32)[None, :]
         hi += tl.load(b_ptr + head * HEAD_DIM + HALF + d).to(tl.float32)[None, :]
-    dtype = x_ptr.dtype.element_ty
-    head_norm_rope_store(
-        lo.to(dtype).to(tl.float32),
-        hi.to(dtype).to(tl.float32),
-        head,
-        offs_m.to(tl.int64),
-        mask_m,
-        qw_ptr,
-        kw_ptr,
-        cos_ptr,
-        sin_ptr,
-        q_out_ptr,
-        k_dst_ptr,
-        v_dst_ptr,
-        slots_ptr,
-        stride_cs,
-        stride_dst_slot,
-        n_q_heads,
-        n_kv_heads,
-        eps,
-        HEAD_DIM,
-        HALF,
-    )
+    return lo.to(dtype).to(tl.float32), hi.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -559,13 +526,6 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
     tiles = tiles.over(tuned_tiles(format_name(w), n_out, k_in, n_rows))
     block_n = tiles.block_n
     head_dim = heads.head_dim if heads is not None else 0  # 0: a plain output
-    if heads is not None:
-        assert n_out == (heads.n_q_heads + 2 * heads.n_kv_heads) * head_dim
-        assert next_pow2(head_dim) == head_dim and heads.slots.shape[0] >= n_rows
-        assert heads.key_dst.shape[1:] == (heads.n_kv_heads, head_dim)
-        assert heads.key_dst.stride()[1:] == (head_dim, 1)
-        assert heads.key_dst.stride() == heads.value_dst.stride()
-        assert heads.cos.shape[0] >= n_rows and heads.cos.shape[-1] == head_dim
     block_k = k_step(tiles.block_k, kw)
     k_steps = triton.cdiv(k_in, block_k)
     # K is split as the plain GEMV of these tiles splits it, so both sum alike.
@@ -622,11 +582,8 @@ def _launch(x, delta, norm_weight, eps, w, bias, tiles: _Tiles, pdl: bool, heads
         y = out = torch.empty(n_rows, n_out, dtype=x.dtype, device=x.device)
         head_ptrs, head_ints, head_eps = (x,) * 8, (0, 0, 0, 0), 0.0  # placeholders, unused
     else:  # y (and its stride) unused: a placeholder
-        y, out = x, torch.empty(n_rows, heads.n_q_heads, head_dim, dtype=x.dtype, device=x.device)
-        cos, sin = heads.cos.contiguous(), heads.sin.contiguous()
-        head_ptrs = (heads.q_norm, heads.k_norm, cos, sin, out, heads.key_dst, heads.value_dst)
-        head_ptrs += (heads.slots,)
-        head_ints = (cos.stride(0), heads.key_dst.stride(0), heads.n_q_heads, heads.n_kv_heads)
+        y = x
+        out, head_ptrs, head_ints = heads.kernel_args((n_rows, n_out), x.dtype)
         head_eps = heads.eps
     _skinny_kernel[(n_stripes, split_k)](
         *inputs,

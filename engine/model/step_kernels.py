@@ -11,7 +11,7 @@ without it in one run (`engine.bench.decode`: its step variants add one fusion a
   launch (kernels.router.norm_route);
 - "qkv_epilogue": the q/k RMSNorm, RoPE and K/V store run as the q/k/v projection's epilogue
   (kernels.gemv.heads_linear: the last program of each head hands it on), which takes the
-  Triton GEMV; without it they are a launch of their own (kernels.fused_ops.qk_norm_rope_store);
+  Triton GEMV; without it they are a launch of their own (kernels.fused_ops.AttentionHeads.store);
 - "attention_merge": the last split of each head merges the splits (kernels.paged_attention);
 - "gemv": the q/k/v and o projections of plain weights on the Triton GEMV, which splits K to
   fill the GPU (quantized weights always take it; plain ones otherwise take cuBLAS, or the GEMV

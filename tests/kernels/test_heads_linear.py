@@ -1,4 +1,4 @@
-"""The decode step's attention inputs: `qk_norm_rope_store` (q/k RMSNorm, RoPE, the K/V store)
+"""The decode step's attention inputs: `AttentionHeads.store` (q/k RMSNorm, RoPE, the K/V store)
 against torch's reference ops, and the q/k/v GEMV with them as its epilogue (`heads_linear`)
 against the GEMV followed by that kernel, bit for bit (Triton interpreter on the CPU)."""
 
